@@ -1,0 +1,268 @@
+// Command k3s-pinning gives a stock k3s node the protection of a k3s built with k3s-pinning:
+// every image from the air-gap images dir is imported pinned, and hand imports named by policy
+// are pinned too, so the kubelet's image GC never deletes them.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/sirupsen/logrus"
+	"github.com/urfave/cli/v2"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// Exit codes: 0 all good, 1 something needs attention (sync failed on an archive, doctor found a
+// problem, unpin refused), 2 bad usage or containerd unreachable.
+const (
+	exitProblem = 1
+	exitUsage   = 2
+)
+
+type options struct {
+	address, imagesDir, namespace string
+	extraRegistries               cli.StringSlice
+	policy                        images.PolicyOptions
+	output                        string
+}
+
+// commonFlags are accepted by every subcommand after its own name.
+func commonFlags(o *options) []cli.Flag {
+	return append([]cli.Flag{
+		&cli.StringFlag{Name: "containerd-address", Value: "/run/k3s/containerd/containerd.sock", Usage: "containerd socket (k3s's own by default)", Destination: &o.address},
+		&cli.StringFlag{Name: "images-dir", Value: images.DefaultImagesDir, Usage: "air-gap images dir", Destination: &o.imagesDir},
+		&cli.StringFlag{Name: "namespace", Value: pinning.DefaultNamespace, Usage: "containerd namespace (the CRI uses k8s.io)", Destination: &o.namespace},
+		&cli.StringSliceFlag{Name: "airgap-extra-registry", Usage: "also tag imported images under this registry, as k3s --airgap-extra-registry does", Destination: &o.extraRegistries},
+	}, images.PolicyFlags(&o.policy)...)
+}
+
+func main() {
+	logrus.SetOutput(os.Stderr)
+	app := newApp(os.Stdout)
+	if err := app.Run(os.Args); err != nil {
+		var ec cli.ExitCoder
+		if errors.As(err, &ec) {
+			fmt.Fprintln(os.Stderr, "k3s-pinning:", err)
+			os.Exit(ec.ExitCode())
+		}
+		fmt.Fprintln(os.Stderr, "k3s-pinning:", err)
+		os.Exit(exitUsage)
+	}
+}
+
+func newApp(stdout io.Writer) *cli.App {
+	o := &options{}
+	return &cli.App{
+		Name:  "k3s-pinning",
+		Usage: "keep k3s air-gap images pinned so the kubelet never deletes them",
+		OnUsageError: func(c *cli.Context, err error, _ bool) error {
+			return cli.Exit(err.Error(), exitUsage)
+		},
+		Commands: []*cli.Command{
+			{
+				Name:  "sync",
+				Usage: "import what is not imported yet, pin everything wanted, print a summary; exit 0 only when every archive was processed",
+				Flags: commonFlags(o),
+				Action: func(c *cli.Context) error {
+					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+						report := a.Sync(ctx)
+						printSync(stdout, report)
+						if err := report.Err(); err != nil {
+							return cli.Exit("sync: not every archive was processed (see above)", exitProblem)
+						}
+						return nil
+					})
+				},
+			},
+			{
+				Name:  "status",
+				Usage: "one row per reference: ref, digest, source, pinned, wanted, present",
+				Flags: append(commonFlags(o), &cli.StringFlag{Name: "output", Aliases: []string{"o"}, Value: "table", Usage: "table or json", Destination: &o.output}),
+				Action: func(c *cli.Context) error {
+					if o.output != "table" && o.output != "json" {
+						return cli.Exit(fmt.Sprintf("--output %q: must be table or json", o.output), exitUsage)
+					}
+					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+						snap, err := a.Inspect(ctx)
+						if err != nil {
+							return err
+						}
+						if o.output == "json" {
+							refs := snap.Refs
+							if refs == nil {
+								refs = []images.RefStatus{}
+							}
+							enc := json.NewEncoder(stdout)
+							enc.SetIndent("", "  ")
+							return enc.Encode(struct {
+								Images []images.RefStatus `json:"images"`
+							}{refs})
+						}
+						tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+						fmt.Fprintln(tw, "REF\tDIGEST\tSOURCE\tPINNED\tWANTED\tPRESENT")
+						for _, r := range snap.Refs {
+							fmt.Fprintf(tw, "%s\t%s\t%s\t%t\t%t\t%t\n", r.Ref, shortDigest(r.Digest), dash(r.Source), r.Pinned, r.Wanted, r.Present)
+						}
+						return tw.Flush()
+					})
+				},
+			},
+			{
+				Name:  "doctor",
+				Usage: "find what leaves an image unprotected and say how to fix it; exit 1 when anything is found",
+				Flags: commonFlags(o),
+				Action: func(c *cli.Context) error {
+					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+						snap, err := a.Inspect(ctx)
+						if err != nil {
+							return err
+						}
+						findings := snap.Findings()
+						for _, f := range findings {
+							fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)
+						}
+						if len(findings) > 0 {
+							return cli.Exit(fmt.Sprintf("doctor: %d problem(s) found", len(findings)), exitProblem)
+						}
+						fmt.Fprintf(stdout, "ok: %d references, every wanted one present and pinned\n", len(snap.Refs))
+						return nil
+					})
+				},
+			},
+			{
+				Name:      "pin",
+				Usage:     "pin references by hand (recorded as source \"manual\")",
+				ArgsUsage: "REF...",
+				Flags:     commonFlags(o),
+				Action: func(c *cli.Context) error {
+					return eachRef(c, o, func(ctx context.Context, a *images.Agent, ref string) error {
+						res, err := a.PinManual(ctx, ref)
+						if err == nil {
+							fmt.Fprintf(stdout, "%s: %s\n", ref, res)
+						}
+						return err
+					})
+				},
+			},
+			{
+				Name:      "unpin",
+				Usage:     "remove pins k3s-pinning set; a pin set by anyone else is never removed",
+				ArgsUsage: "REF...",
+				Flags:     commonFlags(o),
+				Action: func(c *cli.Context) error {
+					return eachRef(c, o, func(ctx context.Context, a *images.Agent, ref string) error {
+						wantedBy, err := a.UnpinManual(ctx, ref)
+						if err != nil {
+							return err
+						}
+						fmt.Fprintf(stdout, "%s: unpinned\n", ref)
+						if wantedBy != "" {
+							fmt.Fprintf(stdout, "%s: note: %s still wants it; the next sync pins it again\n", ref, wantedBy)
+						}
+						return nil
+					})
+				},
+			},
+		},
+	}
+}
+
+// withAgent connects to containerd, checks it answers, and runs fn with the namespace in ctx.
+func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agent) error) error {
+	policy, err := o.policy.Policy()
+	if err != nil {
+		return cli.Exit(err.Error(), exitUsage)
+	}
+	if _, err := os.Stat(o.address); err != nil {
+		return cli.Exit(fmt.Sprintf("containerd socket: %v (set --containerd-address)", err), exitUsage)
+	}
+	client, err := containerd.New(o.address, containerd.WithTimeout(10*time.Second))
+	if err != nil {
+		return cli.Exit(fmt.Sprintf("containerd at %s: %v", o.address, err), exitUsage)
+	}
+	defer client.Close()
+	ctx := namespaces.WithNamespace(c.Context, o.namespace)
+	vctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := client.Version(vctx); err != nil {
+		return cli.Exit(fmt.Sprintf("containerd at %s does not answer: %v", o.address, err), exitUsage)
+	}
+	agent := images.NewAgent(client, images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value()})
+	return fn(ctx, agent)
+}
+
+func eachRef(c *cli.Context, o *options, fn func(context.Context, *images.Agent, string) error) error {
+	if c.NArg() == 0 {
+		return cli.Exit(c.Command.Name+": name at least one image reference", exitUsage)
+	}
+	return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+		failed := 0
+		for _, ref := range c.Args().Slice() {
+			if err := fn(ctx, a, ref); err != nil {
+				failed++
+				if errors.Is(err, pinning.ErrNotOurs) {
+					err = fmt.Errorf("%w; k3s-pinning never removes a pin it did not set", err)
+				}
+				fmt.Fprintf(os.Stderr, "%s: %v\n", ref, err)
+			}
+		}
+		if failed > 0 {
+			return cli.Exit(fmt.Sprintf("%s: %d of %d failed", c.Command.Name, failed, c.NArg()), exitProblem)
+		}
+		return nil
+	})
+}
+
+func printSync(w io.Writer, r *images.SyncReport) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ARCHIVE\tFORMAT\tREFS\tIMPORTED\tPINNED NOW\tRESULT")
+	for _, a := range r.Archives {
+		pinnedNow, failed := 0, 0
+		for _, ref := range a.Refs {
+			if ref.Err != nil {
+				failed++
+			} else if ref.Result == pinning.Pinned {
+				pinnedNow++
+			}
+		}
+		result := "ok"
+		if a.Err != nil {
+			result = "FAILED: " + a.Err.Error()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%t\t%d\t%s\n", a.Archive.Name(), dash(string(a.Format)), len(a.Refs)-failed, a.Imported, pinnedNow, result)
+	}
+	for _, err := range r.ScanErrors {
+		fmt.Fprintf(tw, "%s\t-\t0\tfalse\t0\tFAILED\n", err)
+	}
+	tw.Flush()
+	if len(r.PolicyPinned) > 0 || r.PolicyErr != nil {
+		fmt.Fprintf(w, "policy: %d hand-imported reference(s) pinned now\n", len(r.PolicyPinned))
+	}
+	if r.PolicyErr != nil {
+		fmt.Fprintf(w, "policy: FAILED: %v\n", r.PolicyErr)
+	}
+}
+
+func shortDigest(d string) string {
+	if len(d) > 19 {
+		return d[:19]
+	}
+	return dash(d)
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

@@ -1,0 +1,103 @@
+// Package images is the agent side of k3s-pinning: the archives in the k3s images dir, their
+// index, their import into containerd with the pin set at creation, and the keep-decision that
+// the CRI pin and the kubelet GC filter both follow.
+package images
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/rancher/wharfie/pkg/tarfile"
+)
+
+// DefaultImagesDir is where k3s loads air-gap images from.
+const DefaultImagesDir = "/var/lib/rancher/k3s/agent/images"
+
+// Archive is one file in the images dir that k3s would load: an image tarball or a .txt list.
+type Archive struct {
+	Path    string
+	Size    int64
+	ModTime time.Time
+}
+
+// Name is the file name, which is how pins record their source.
+func (a Archive) Name() string { return filepath.Base(a.Path) }
+
+// IsList reports whether the archive is a .txt list of references to pull rather than a tarball.
+func (a Archive) IsList() bool { return hasSuffixFold(a.Path, ".txt") }
+
+// ArchiveError is a problem with one file of the images dir. It never stops the other files.
+type ArchiveError struct {
+	Path string
+	Line int // 1-based line of a .txt list, 0 when the error is about the whole file
+	Err  error
+}
+
+func (e *ArchiveError) Error() string {
+	if e.Line > 0 {
+		return fmt.Sprintf("%s:%d: %v", e.Path, e.Line, e.Err)
+	}
+	return fmt.Sprintf("%s: %v", e.Path, e.Err)
+}
+
+func (e *ArchiveError) Unwrap() error { return e.Err }
+
+// SupportedExtensions are the file endings k3s loads from the images dir.
+var SupportedExtensions = append([]string{".txt"}, tarfile.SupportedExtensions...)
+
+// Scan lists the archives in dir, sorted by name. Sub-directories and hidden files (k3s keeps its
+// .cache.json there) are passed over; any other file with an ending k3s does not load is
+// reported as an ArchiveError, and the rest are still returned. A missing dir holds no archives.
+func Scan(dir string) ([]Archive, []error) {
+	entries, err := os.ReadDir(dir)
+	if os.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, []error{&ArchiveError{Path: dir, Err: err}}
+	}
+	var (
+		archives []Archive
+		errs     []error
+	)
+	for _, e := range entries {
+		name := e.Name()
+		path := filepath.Join(dir, name)
+		if strings.HasPrefix(name, ".") {
+			continue
+		}
+		info, err := os.Stat(path) // follows symlinks, as k3s does when it opens them
+		if err != nil {
+			errs = append(errs, &ArchiveError{Path: path, Err: err})
+			continue
+		}
+		if info.IsDir() {
+			continue
+		}
+		if !supported(name) {
+			errs = append(errs, &ArchiveError{Path: path, Err: fmt.Errorf("unsupported file type; k3s loads %s",
+				strings.Join(SupportedExtensions, " "))})
+			continue
+		}
+		archives = append(archives, Archive{Path: path, Size: info.Size(), ModTime: info.ModTime()})
+	}
+	sort.Slice(archives, func(i, j int) bool { return archives[i].Path < archives[j].Path })
+	return archives, errs
+}
+
+func supported(name string) bool {
+	for _, ext := range SupportedExtensions {
+		if hasSuffixFold(name, ext) {
+			return true
+		}
+	}
+	return false
+}
+
+func hasSuffixFold(s, suffix string) bool {
+	return len(s) >= len(suffix) && strings.EqualFold(s[len(s)-len(suffix):], suffix)
+}

@@ -1,0 +1,292 @@
+package images
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/images/archive"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/platforms"
+	"github.com/distribution/reference"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/rancher/wharfie/pkg/tarfile"
+	"google.golang.org/grpc"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// Importer puts what an archive provides into containerd, each reference pinned from the moment
+// it is created. The namespace is carried in the context.
+type Importer struct {
+	client *containerd.Client
+	cri    runtimeapi.ImageServiceClient
+	// extraRegistries are the --airgap-extra-registry values: every imported tag is also created
+	// under each of these registries, as k3s does.
+	extraRegistries []string
+}
+
+// NewImporter returns an Importer over client; the CRI image service is reached on the same
+// connection, since containerd serves it on its own socket.
+func NewImporter(client *containerd.Client, extraRegistries []string) *Importer {
+	return &Importer{
+		client:          client,
+		cri:             runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn)),
+		extraRegistries: extraRegistries,
+	}
+}
+
+// RefResult is one reference an archive provides, after import or verification.
+type RefResult struct {
+	Ref    string
+	Digest string
+	Result pinning.PinResult
+	Err    error
+}
+
+// Load makes every reference idx provides present and pinned. A tarball is imported only when one
+// of its images is missing or points elsewhere; otherwise its references are only verified and
+// pinned. A list pulls, through the CRI, what is not present. imported says whether content was
+// imported or pulled.
+func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imported bool, err error) {
+	if idx.Format == ImageList {
+		return im.pullList(ctx, idx)
+	}
+	targets, complete, err := im.presentTargets(ctx, idx)
+	if err != nil {
+		return nil, false, err
+	}
+	if !complete {
+		if targets, err = im.importTarball(ctx, idx.Archive); err != nil {
+			return nil, false, &ArchiveError{Path: idx.Archive.Path, Err: err}
+		}
+		imported = true
+	}
+	source := idx.Archive.Name()
+	for _, img := range targets {
+		for _, name := range im.references(img.Name, img.Target.Digest) {
+			refs = append(refs, im.putRef(ctx, images.Image{Name: name, Target: img.Target}, source))
+		}
+	}
+	return refs, imported, nil
+}
+
+// references are all the names one imported image gets: its own, repo@digest, and one per extra
+// registry.
+func (im *Importer) references(name string, dgst digest.Digest) []string {
+	names := []string{name}
+	if dr := digestRef(name, dgst); dr != "" {
+		names = append(names, dr)
+	}
+	if tagged, err := reference.ParseDockerRef(name); err == nil {
+		if t, ok := tagged.(reference.NamedTagged); ok {
+			for _, reg := range im.extraRegistries {
+				names = append(names, fmt.Sprintf("%s/%s:%s", strings.TrimSuffix(reg, "/"), reference.Path(t), t.Tag()))
+			}
+		}
+	}
+	return names
+}
+
+// presentTargets returns the images of idx as they are in containerd, and whether all of them are
+// there with the content the archive holds (same manifest digest, or for docker archives, whose
+// manifest containerd writes at import, the same config).
+func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Image, bool, error) {
+	store := im.client.ImageService()
+	var found []images.Image
+	for _, want := range idx.Images {
+		img, err := store.Get(ctx, want.Ref)
+		if errdefs.IsNotFound(err) {
+			return nil, false, nil
+		}
+		if err != nil {
+			return nil, false, err
+		}
+		if want.Digest != "" && img.Target.Digest != want.Digest {
+			return nil, false, nil
+		}
+		if want.Digest == "" {
+			config, err := img.Config(ctx, im.client.ContentStore(), platforms.Default())
+			if err != nil || config.Digest != want.ImageID {
+				return nil, false, nil
+			}
+		}
+		found = append(found, img)
+	}
+	return found, true, nil
+}
+
+// importTarball imports the content of archive a and returns its named top-level images, as
+// client.Import does with all platforms and missing content skipped (k3s's options), but creates
+// no image record: putRef does, with the pin labels.
+func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Image, error) {
+	open, err := tarfile.GetOpener(a.Path)
+	if err != nil {
+		return nil, err
+	}
+	rc, err := open()
+	if err != nil {
+		return nil, err
+	}
+	defer rc.Close()
+
+	ctx, done, err := im.client.WithLease(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done(ctx)
+
+	cs := im.client.ContentStore()
+	index, err := archive.ImportIndex(ctx, cs, rc)
+	if err != nil {
+		return nil, err
+	}
+	var named []images.Image
+	var handler images.HandlerFunc = func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+		if desc.Digest != index.Digest {
+			children, err := images.Children(ctx, cs, desc)
+			if errdefs.IsNotFound(err) {
+				return nil, images.ErrSkipDesc // other platforms' content left out of the archive
+			}
+			return children, err
+		}
+		data, err := content.ReadBlob(ctx, cs, desc)
+		if err != nil {
+			return nil, err
+		}
+		var idx ocispec.Index
+		if err := json.Unmarshal(data, &idx); err != nil {
+			return nil, err
+		}
+		for _, m := range idx.Manifests {
+			name := m.Annotations[images.AnnotationImageName]
+			if name == "" {
+				name = m.Annotations[ocispec.AnnotationRefName]
+			}
+			if name != "" {
+				named = append(named, images.Image{Name: name, Target: m})
+			}
+		}
+		return idx.Manifests, nil
+	}
+	h := images.SetChildrenLabels(cs, images.FilterPlatforms(handler, platforms.All))
+	if err := images.WalkNotEmpty(ctx, h, index); err != nil {
+		return nil, err
+	}
+	if len(named) == 0 {
+		return nil, errors.New("the archive names no image")
+	}
+	return named, nil
+}
+
+// putRef makes the reference img.Name point at img.Target with our pin for source. A new
+// reference is created with the pin labels, so it never exists unpinned. On an existing one only
+// the target and the two pin keys are written; every other label stays, and a pin someone else
+// set is left theirs.
+func (im *Importer) putRef(ctx context.Context, img images.Image, source string) RefResult {
+	store := im.client.ImageService()
+	res := RefResult{Ref: img.Name, Digest: img.Target.Digest.String()}
+	img.Labels = pinning.PinLabels(source)
+	for attempt := 0; attempt < 3; attempt++ {
+		if _, err := store.Create(ctx, img); err == nil {
+			res.Result = pinning.Pinned
+			return res
+		} else if !errdefs.IsAlreadyExists(err) {
+			res.Err = fmt.Errorf("create %s: %w", img.Name, err)
+			return res
+		}
+		existing, err := store.Get(ctx, img.Name)
+		if errdefs.IsNotFound(err) {
+			continue // deleted in between: create again
+		}
+		if err != nil {
+			res.Err = fmt.Errorf("get %s: %w", img.Name, err)
+			return res
+		}
+		var fields []string
+		if existing.Target.Digest != img.Target.Digest {
+			fields = append(fields, "target")
+		}
+		switch _, ours := pinning.OwnPin(existing.Labels); {
+		case ours:
+			res.Result = pinning.AlreadyOurs
+		case pinning.IsPinned(existing.Labels):
+			res.Result = pinning.PinnedByOther
+		default:
+			res.Result = pinning.Pinned
+			fields = append(fields, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource)
+		}
+		if len(fields) == 0 {
+			return res
+		}
+		if _, err := store.Update(ctx, img, fields...); errdefs.IsNotFound(err) {
+			continue
+		} else if err != nil {
+			res.Err = fmt.Errorf("update %s: %w", img.Name, err)
+		}
+		return res
+	}
+	res.Err = fmt.Errorf("put %s: reference kept disappearing", img.Name)
+	return res
+}
+
+// pullList pulls through the CRI (so registry mirrors and credentials apply) each reference of a
+// .txt list that is not present, then pins it and the repo@digest reference the CRI created.
+func (im *Importer) pullList(ctx context.Context, idx *Index) ([]RefResult, bool, error) {
+	var (
+		refs   []RefResult
+		pulled bool
+		errs   []error
+		pinner = pinning.NewPinner(im.client.ImageService())
+		source = idx.Archive.Name()
+	)
+	for _, want := range idx.Images {
+		status, err := im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+		if err == nil && status.GetImage() == nil {
+			if _, err = im.cri.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
+				pulled = true
+				status, err = im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+			}
+		}
+		if err == nil && status.GetImage() == nil {
+			err = errors.New("not present after pull")
+		}
+		if err != nil {
+			err = &ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: fmt.Errorf("pull %s: %w", want.Ref, err)}
+			refs = append(refs, RefResult{Ref: want.Ref, Err: err})
+			errs = append(errs, err)
+			continue
+		}
+		names := []string{want.Ref}
+		repo := want.Ref
+		if named, err := reference.ParseNormalizedNamed(want.Ref); err == nil {
+			repo = named.Name()
+		}
+		for _, rd := range status.GetImage().GetRepoDigests() {
+			if named, err := reference.ParseNormalizedNamed(rd); err == nil && named.Name() == repo && rd != want.Ref {
+				names = append(names, rd)
+			}
+		}
+		for _, name := range names {
+			r := RefResult{Ref: name}
+			img, err := im.client.ImageService().Get(ctx, name)
+			if err == nil {
+				r.Digest = img.Target.Digest.String()
+				r.Result, err = pinner.Pin(ctx, name, source)
+			}
+			if err != nil {
+				r.Err = &ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: err}
+				errs = append(errs, r.Err)
+			}
+			refs = append(refs, r)
+		}
+	}
+	return refs, pulled, errors.Join(errs...)
+}

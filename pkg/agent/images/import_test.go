@@ -1,0 +1,326 @@
+package images_test
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	"github.com/containerd/typeurl/v2"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// archiveCase is one archive of the images dir: a format in one compression.
+type archiveCase struct {
+	file string
+	oci  bool
+	refs []string // tags it provides
+}
+
+func writeArchive(t *testing.T, dir string, c archiveCase) {
+	t.Helper()
+	path := filepath.Join(dir, c.file)
+	if c.oci {
+		entries := map[string]any{}
+		for i, ref := range c.refs {
+			if i == 0 {
+				img, err := imagetest.Image(64<<10, imagetest.Amd64)
+				if err != nil {
+					t.Fatal(err)
+				}
+				entries[ref] = img
+				continue
+			}
+			idx, err := imagetest.MultiPlatform(32<<10, imagetest.Amd64, v1.Platform{OS: "linux", Architecture: "arm64"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			entries[ref] = idx
+		}
+		if err := imagetest.WriteOCI(path, entries); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	tags := map[string]v1.Image{}
+	for _, ref := range c.refs {
+		img, err := imagetest.Image(64<<10, imagetest.Amd64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tags[ref] = img
+	}
+	if err := imagetest.WriteDocker(path, tags); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// everyFormat is every tarball ending k3s loads, in both formats; OCI archives also carry a
+// multi-platform index.
+func everyFormat() []archiveCase {
+	var cases []archiveCase
+	for _, ext := range imagetest.Extensions {
+		tag := strings.NewReplacer(".", "").Replace(ext)
+		cases = append(cases,
+			archiveCase{file: "docker" + ext, refs: []string{"acc.example/docker-" + tag + ":1.0", "acc.example/docker-" + tag + "-b:2.0"}},
+			archiveCase{file: "oci" + ext, oci: true, refs: []string{"acc.example/oci-" + tag + ":1.0", "acc.example/oci-" + tag + "-multi:1.0"}},
+		)
+	}
+	return cases
+}
+
+func TestSyncPinsEveryReferenceOfEveryFormat(t *testing.T) {
+	n := newNode(t)
+	cases := everyFormat()
+	for _, c := range cases {
+		writeArchive(t, n.imagesDir, c)
+	}
+	report := n.agent(nil).Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatalf("sync: %v", err)
+	}
+	if len(report.Archives) != len(cases) {
+		t.Fatalf("sync processed %d archives, want %d", len(report.Archives), len(cases))
+	}
+	for _, a := range report.Archives {
+		if !a.Imported {
+			t.Errorf("%s: not imported on first sync", a.Archive.Name())
+		}
+		var tags, digests int
+		for _, r := range a.Refs {
+			if strings.Contains(r.Ref, "@sha256:") {
+				digests++
+			} else {
+				tags++
+			}
+			present, pinned := n.criPinned(r.Ref)
+			if !present || !pinned {
+				t.Errorf("%s: %s present=%t pinned=%t by CRI ImageStatus, want both", a.Archive.Name(), r.Ref, present, pinned)
+			}
+			if src := n.labels(r.Ref)[pinning.LabelSource]; src != a.Archive.Name() {
+				t.Errorf("%s: source label %q, want %q", r.Ref, src, a.Archive.Name())
+			}
+		}
+		if tags != 2 || digests != 2 {
+			t.Errorf("%s: %d tag and %d digest references, want 2 and 2", a.Archive.Name(), tags, digests)
+		}
+	}
+	// The multi-platform image must be usable on this node: its config for linux/amd64 is there.
+	img, err := n.client.GetImage(n.ctx, "acc.example/oci-tar-multi:1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := img.Config(n.ctx); err != nil {
+		t.Errorf("multi-platform image has no usable linux/amd64 config: %v", err)
+	}
+
+	// A second sync with unchanged archives imports nothing and changes nothing.
+	again := n.agent(nil).Sync(n.ctx)
+	if err := again.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range again.Archives {
+		if a.Imported {
+			t.Errorf("%s imported again although unchanged", a.Archive.Name())
+		}
+		for _, r := range a.Refs {
+			if r.Result != pinning.AlreadyOurs {
+				t.Errorf("second sync: %s: %s, want %s", r.Ref, r.Result, pinning.AlreadyOurs)
+			}
+		}
+	}
+}
+
+func TestPinIsSetAtCreation(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar.zst", refs: []string{"acc.example/app:1.0", "acc.example/web:2.0"}})
+	writeArchive(t, n.imagesDir, archiveCase{file: "oci.tar", oci: true, refs: []string{"acc.example/oci:1.0"}})
+
+	events, errs := n.client.Subscribe(n.ctx, `topic=="/images/create"`, `topic=="/images/update"`)
+	report := n.agent(nil).Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatal(err)
+	}
+	wantCreated := map[string]bool{}
+	for _, a := range report.Archives {
+		for _, r := range a.Refs {
+			wantCreated[r.Ref] = true
+		}
+	}
+	timeout := time.After(10 * time.Second)
+	for len(wantCreated) > 0 {
+		select {
+		case env := <-events:
+			ev, err := typeurl.UnmarshalAny(env.Event)
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch e := ev.(type) {
+			case *eventstypes.ImageCreate:
+				if !wantCreated[e.Name] {
+					continue
+				}
+				delete(wantCreated, e.Name)
+				if e.Labels[pinning.LabelPinned] != pinning.PinnedValue || e.Labels[pinning.LabelSource] == "" {
+					t.Errorf("create event of %s carries labels %v: not pinned at creation", e.Name, e.Labels)
+				}
+			case *eventstypes.ImageUpdate:
+				if wantCreated[e.Name] {
+					t.Errorf("%s was updated before it was created pinned", e.Name)
+				}
+			}
+		case err := <-errs:
+			t.Fatal(err)
+		case <-timeout:
+			t.Fatalf("no create event for %v", wantCreated)
+		}
+	}
+}
+
+// ctrImport imports an archive by hand, as `k3s ctr images import` does, with no pin.
+func (n *node) ctrImport(path string) {
+	n.t.Helper()
+	out, err := exec.Command(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", "k8s.io", "images", "import", path).CombinedOutput()
+	if err != nil {
+		n.t.Fatalf("ctr images import %s: %v\n%s", path, err, out)
+	}
+}
+
+func TestPolicyPinsHandImports(t *testing.T) {
+	n := newNode(t)
+	hand := t.TempDir()
+	writeArchive(t, hand, archiveCase{file: "hand.tar", refs: []string{"registry.local/team/tool:1.0", "registry.local/team/tool:2.0", "other.example/unmatched:1.0"}})
+	n.ctrImport(filepath.Join(hand, "hand.tar"))
+	writeArchive(t, hand, archiveCase{file: "labelled.tar", refs: []string{"other.example/labelled:1.0"}})
+	n.ctrImport(filepath.Join(hand, "labelled.tar"))
+	img, err := n.client.ImageService().Get(n.ctx, "other.example/labelled:1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	img.Labels = map[string]string{"example.com/keep": "yes"}
+	if _, err := n.client.ImageService().Update(n.ctx, img, "labels.example.com/keep"); err != nil {
+		t.Fatal(err)
+	}
+
+	policy, err := pinning.NewPolicy([]string{"registry.local/team/*"}, []string{"example.com/keep=yes"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	report := n.agent(policy).Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for ref, want := range map[string]bool{
+		"registry.local/team/tool:1.0": true,
+		"registry.local/team/tool:2.0": true,
+		"other.example/labelled:1.0":   true,
+		"other.example/unmatched:1.0":  false,
+	} {
+		present, pinned := n.criPinned(ref)
+		if !present || pinned != want {
+			t.Errorf("%s: present=%t pinned=%t, want pinned=%t", ref, present, pinned, want)
+		}
+		if want && n.labels(ref)[pinning.LabelSource] != pinning.SourcePolicy {
+			t.Errorf("%s: source label %q, want %q", ref, n.labels(ref)[pinning.LabelSource], pinning.SourcePolicy)
+		}
+	}
+}
+
+func TestUserPinStaysTheirs(t *testing.T) {
+	n := newNode(t)
+	hand := t.TempDir()
+	writeArchive(t, hand, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	n.ctrImport(filepath.Join(hand, "app.tar"))
+	img, err := n.client.ImageService().Get(n.ctx, "acc.example/app:1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	img.Labels = map[string]string{pinning.LabelPinned: pinning.PinnedValue, "user": "mine"}
+	if _, err := n.client.ImageService().Update(n.ctx, img, "labels."+pinning.LabelPinned, "labels.user"); err != nil {
+		t.Fatal(err)
+	}
+	// The same archive then lands in the images dir.
+	if err := os.Rename(filepath.Join(hand, "app.tar"), filepath.Join(n.imagesDir, "app.tar")); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	labels := n.labels("acc.example/app:1.0")
+	if _, ours := labels[pinning.LabelSource]; ours || labels["user"] != "mine" || !pinning.IsPinned(labels) {
+		t.Errorf("user's pinned reference now has labels %v; want their pin and label kept and not claimed", labels)
+	}
+	err = pinning.NewPinner(n.client.ImageService()).Unpin(n.ctx, "acc.example/app:1.0")
+	if err == nil || !strings.Contains(err.Error(), pinning.ErrNotOurs.Error()) {
+		t.Errorf("Unpin of a user's pin: err=%v, want ErrNotOurs", err)
+	}
+	if !pinning.IsPinned(n.labels("acc.example/app:1.0")) {
+		t.Error("user's pin was removed")
+	}
+}
+
+func TestBadArchivesDoNotStopOthers(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "a-good.tar.gz", refs: []string{"acc.example/good:1.0"}})
+	writeArchive(t, n.imagesDir, archiveCase{file: "z-good.tar", oci: true, refs: []string{"acc.example/good-oci:1.0"}})
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	// Break things around the good archives.
+	writeArchive(t, n.imagesDir, archiveCase{file: "truncated.tar", refs: []string{"acc.example/truncated:1.0"}})
+	truncate(t, filepath.Join(n.imagesDir, "truncated.tar"), 0.5)
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "corrupt.tar.gz"), []byte("\x1f\x8b\x08\x00 this is not gzip"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "notes.zip"), []byte("PK"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "list.txt"), []byte("# comment\n\nnot a ref!!\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	report := n.agent(nil).Sync(n.ctx)
+	err := report.Err()
+	if err == nil {
+		t.Fatal("sync succeeded over bad archives")
+	}
+	for _, want := range []string{"truncated.tar", "corrupt.tar.gz", "notes.zip", "list.txt:3"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("sync error does not name %s:\n%v", want, err)
+		}
+	}
+	for _, ref := range []string{"acc.example/good:1.0", "acc.example/good-oci:1.0"} {
+		if present, pinned := n.criPinned(ref); !present || !pinned {
+			t.Errorf("%s: present=%t pinned=%t after sync over bad archives", ref, present, pinned)
+		}
+	}
+}
+
+func truncate(t *testing.T, path string, fraction float64) {
+	t.Helper()
+	info, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, int64(float64(info.Size())*fraction)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAirgapExtraRegistryRetags(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/team/app:1.0"}})
+	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, ExtraRegistries: []string{"mirror.local:5000"}})
+	if err := a.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if present, pinned := n.criPinned("mirror.local:5000/team/app:1.0"); !present || !pinned {
+		t.Errorf("retag: present=%t pinned=%t", present, pinned)
+	}
+}

@@ -1,0 +1,77 @@
+package images_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	"google.golang.org/grpc"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// node is a real containerd with an images dir beside it.
+type node struct {
+	t         *testing.T
+	ctx       context.Context
+	daemon    *containerdtest.Daemon
+	client    *containerd.Client
+	cri       runtimeapi.ImageServiceClient
+	imagesDir string
+}
+
+func newNode(t *testing.T) *node {
+	t.Helper()
+	d := containerdtest.New(t, containerdtest.Options{})
+	client, err := d.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	ctx, cancel := context.WithTimeout(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace), 5*time.Minute)
+	t.Cleanup(cancel)
+	dir := filepath.Join(t.TempDir(), "images")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return &node{t: t, ctx: ctx, daemon: d, client: client, imagesDir: dir,
+		cri: runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn))}
+}
+
+func (n *node) agent(policy *pinning.Policy) *images.Agent {
+	return images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, Policy: policy})
+}
+
+// criPinned asks the CRI, as the kubelet does, whether ref exists and is pinned. The CRI's view
+// of labels can lag the metadata store by a moment, so a pinned answer is awaited for up to 2 s.
+func (n *node) criPinned(ref string) (present, pinned bool) {
+	n.t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		resp, err := n.cri.ImageStatus(n.ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+		if err != nil {
+			n.t.Fatalf("CRI ImageStatus %s: %v", ref, err)
+		}
+		img := resp.GetImage()
+		if (img != nil && img.Pinned) || time.Now().After(deadline) {
+			return img != nil, img != nil && img.Pinned
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (n *node) labels(ref string) map[string]string {
+	n.t.Helper()
+	img, err := n.client.ImageService().Get(n.ctx, ref)
+	if err != nil {
+		n.t.Fatalf("get %s: %v", ref, err)
+	}
+	return img.Labels
+}

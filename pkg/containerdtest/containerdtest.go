@@ -1,0 +1,353 @@
+// Package containerdtest runs a private, real containerd (CRI on, NRI off) for tests and demos:
+// its own root, state and socket under a temp dir, built from the containerd module version this
+// module's go.mod pins, so the daemon and the client always match.
+package containerdtest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+)
+
+// Binaries are the containerd programs built from the pinned module version.
+type Binaries struct {
+	Containerd, Ctr, Shim string
+	Version            string // containerd module version
+}
+
+const modulePath = "github.com/k3s-pinning/k3s-pinning"
+
+var (
+	buildOnce sync.Once
+	built     Binaries
+	buildErr  error
+)
+
+// Build builds containerd, ctr and containerd-shim-runc-v2 once per process into a cache outside
+// the repo (the user cache dir, keyed by version); the Go build cache makes rebuilds cheap. A file
+// lock lets test packages running in parallel share one build.
+func Build() (Binaries, error) {
+	buildOnce.Do(func() { built, buildErr = build() })
+	return built, buildErr
+}
+
+func build() (Binaries, error) {
+	root, err := moduleRoot()
+	if err != nil {
+		return Binaries{}, err
+	}
+	out, err := goCmd(root, "list", "-m", "-f", "{{.Version}}", "github.com/containerd/containerd/v2")
+	if err != nil {
+		return Binaries{}, err
+	}
+	version := strings.TrimSpace(out)
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		return Binaries{}, err
+	}
+	dir := filepath.Join(cache, "k3s-pinning", "containerd-"+version)
+	b := Binaries{
+		Containerd: filepath.Join(dir, "containerd"),
+		Ctr:        filepath.Join(dir, "ctr"),
+		Shim:       filepath.Join(dir, "containerd-shim-runc-v2"),
+		Version:    version,
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return Binaries{}, err
+	}
+	lock, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return Binaries{}, err
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return Binaries{}, err
+	}
+	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
+	if allExist(b.Containerd, b.Ctr, b.Shim) {
+		return b, nil
+	}
+	tmp, err := os.MkdirTemp(dir, "build-")
+	if err != nil {
+		return Binaries{}, err
+	}
+	defer os.RemoveAll(tmp)
+	// CGO off: no btrfs/devmapper plugins needed, and no C toolchain needed.
+	if _, err := goCmd(root, "build", "-o", tmp+"/",
+		"github.com/containerd/containerd/v2/cmd/containerd",
+		"github.com/containerd/containerd/v2/cmd/ctr",
+		"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"); err != nil {
+		return Binaries{}, err
+	}
+	for _, name := range []string{"containerd", "ctr", "containerd-shim-runc-v2"} {
+		if err := os.Rename(filepath.Join(tmp, name), filepath.Join(dir, name)); err != nil {
+			return Binaries{}, err
+		}
+	}
+	return b, nil
+}
+
+func allExist(paths ...string) bool {
+	for _, p := range paths {
+		if _, err := os.Stat(p); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+func goCmd(dir string, args ...string) (string, error) {
+	cmd := exec.Command("go", args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+// moduleRoot finds this module's checkout from the working directory (tests run in their package
+// dir; the demo module sits inside the checkout), or from K3S_PINNING_ROOT.
+func moduleRoot() (string, error) {
+	if r := os.Getenv("K3S_PINNING_ROOT"); r != "" {
+		return r, nil
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+		if err == nil && strings.HasPrefix(string(data), "module "+modulePath+"\n") {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", fmt.Errorf("containerdtest: no checkout of %s above the working directory; set K3S_PINNING_ROOT", modulePath)
+		}
+		dir = parent
+	}
+}
+
+// Daemon is a running private containerd.
+type Daemon struct {
+	Dir     string // everything of this daemon lives here
+	Address string // its gRPC socket (the CRI is served there too)
+	Root    string
+	Config  string
+	Log     string
+	Bin     Binaries
+
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	logFile *os.File
+}
+
+// Options change the daemon's configuration.
+type Options struct {
+	// Root is containerd's root dir (the kubelet's imagefs); default Dir/root. An e2e test points
+	// it at a small loop-mounted filesystem.
+	Root string
+	// SandboxImage is pinned by containerd itself (pinned_images.sandbox).
+	SandboxImage string
+}
+
+// Start starts containerd in dir (which must be short: unix socket paths are limited to 107
+// bytes) and waits until it answers.
+func Start(ctx context.Context, dir string, opts Options) (*Daemon, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("containerdtest: containerd needs root (overlayfs snapshotter, mounts)")
+	}
+	bin, err := Build()
+	if err != nil {
+		return nil, err
+	}
+	d := &Daemon{Dir: dir, Address: filepath.Join(dir, "containerd.sock"), Root: opts.Root,
+		Config: filepath.Join(dir, "containerd.toml"), Log: filepath.Join(dir, "containerd.log"), Bin: bin}
+	if len(d.Address) > 100 {
+		return nil, fmt.Errorf("containerdtest: socket path %s too long for a unix socket", d.Address)
+	}
+	if d.Root == "" {
+		d.Root = filepath.Join(dir, "root")
+	}
+	if err := os.WriteFile(d.Config, []byte(d.config(opts)), 0o644); err != nil {
+		return nil, err
+	}
+	return d, d.start(ctx)
+}
+
+func (d *Daemon) config(opts Options) string {
+	sandbox := ""
+	if opts.SandboxImage != "" {
+		sandbox = fmt.Sprintf("\n    [plugins.'io.containerd.cri.v1.images'.pinned_images]\n      sandbox = '%s'", opts.SandboxImage)
+	}
+	return fmt.Sprintf(`version = 3
+root = '%[1]s'
+state = '%[2]s/state'
+disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.devmapper', 'io.containerd.snapshotter.v1.aufs', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']
+[grpc]
+  address = '%[3]s'
+[ttrpc]
+  address = '%[3]s.ttrpc'
+[plugins]
+  [plugins.'io.containerd.cri.v1.images']
+    snapshotter = 'overlayfs'%[4]s
+  [plugins.'io.containerd.cri.v1.runtime']
+    # these VMs lack CAP_SYS_RESOURCE: runc cannot set oom_score_adj=-998 for sandboxes otherwise
+    restrict_oom_score_adj = true
+    [plugins.'io.containerd.cri.v1.runtime'.cni]
+      conf_dir = '%[2]s/cni'
+  [plugins.'io.containerd.nri.v1.nri']
+    disable = true
+`, d.Root, d.Dir, d.Address, sandbox)
+}
+
+func (d *Daemon) start(ctx context.Context) error {
+	logFile, err := os.OpenFile(d.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(d.Bin.Containerd, "--config", d.Config)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// the shim must be on containerd's PATH, and the daemon dies with us
+	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(d.Bin.Shim)+":"+os.Getenv("PATH"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		return err
+	}
+	d.cmd, d.logFile, d.exited = cmd, logFile, make(chan struct{})
+	go func() { cmd.Wait(); close(d.exited) }()
+
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case <-d.exited:
+			return fmt.Errorf("containerd exited at start; log %s:\n%s", d.Log, tail(d.Log))
+		case <-ctx.Done():
+			d.Stop()
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		if d.serving(ctx) {
+			return nil
+		}
+	}
+	d.Stop()
+	return fmt.Errorf("containerd did not answer within 30s; log %s:\n%s", d.Log, tail(d.Log))
+}
+
+func (d *Daemon) serving(ctx context.Context) bool {
+	if _, err := os.Stat(d.Address); err != nil {
+		return false
+	}
+	c, err := containerd.New(d.Address, containerd.WithTimeout(time.Second))
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	ok, err := c.IsServing(ctx)
+	return err == nil && ok
+}
+
+// Client returns a new client for the daemon; the caller closes it.
+func (d *Daemon) Client() (*containerd.Client, error) {
+	return containerd.New(d.Address, containerd.WithTimeout(10*time.Second))
+}
+
+// Stop stops containerd (SIGTERM, then SIGKILL after 10 s). Safe to call twice.
+func (d *Daemon) Stop() error {
+	if d.cmd == nil {
+		return nil
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-d.exited:
+	case <-time.After(10 * time.Second):
+		syscall.Kill(-d.cmd.Process.Pid, syscall.SIGKILL)
+		<-d.exited
+	}
+	d.cmd = nil
+	d.logFile.Close()
+	return nil
+}
+
+// Restart stops and starts the daemon with the same root and state.
+func (d *Daemon) Restart(ctx context.Context) error {
+	d.Stop()
+	return d.start(ctx)
+}
+
+func tail(path string) string {
+	data, _ := os.ReadFile(path)
+	if len(data) > 4000 {
+		data = data[len(data)-4000:]
+	}
+	return string(data)
+}
+
+// New starts a private containerd for t and stops it when t ends. Without root the test is
+// skipped, loudly: containerd's overlayfs snapshotter and the CRI need it.
+func New(t testing.TB, opts Options) *Daemon {
+	t.Helper()
+	RequireRoot(t)
+	dir, err := os.MkdirTemp("", "ctrd-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := Start(context.Background(), dir, opts)
+	if err != nil {
+		os.RemoveAll(dir)
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Stop()
+		if t.Failed() {
+			t.Logf("containerd log (%s):\n%s", d.Log, tail(d.Log))
+		}
+		unmountUnder(dir)
+		os.RemoveAll(dir)
+	})
+	return d
+}
+
+// RequireRoot skips t, loudly, when not running as root.
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		msg := "SKIPPED: NOT ROOT: this test needs a real containerd, which needs root; run `make test` as root"
+		fmt.Fprintln(os.Stderr, "*** "+msg+" ***")
+		t.Skip(msg)
+	}
+}
+
+// unmountUnder unmounts anything the daemon left mounted below dir (snapshot mounts).
+func unmountUnder(dir string) {
+	data, err := os.ReadFile("/proc/self/mounts")
+	if err != nil {
+		return
+	}
+	var mounts []string
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 1 && strings.HasPrefix(f[1], dir+"/") {
+			mounts = append(mounts, f[1])
+		}
+	}
+	for i := len(mounts) - 1; i >= 0; i-- {
+		syscall.Unmount(mounts[i], syscall.MNT_DETACH)
+	}
+}
