@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -49,7 +50,7 @@ func commonFlags(o *options) []cli.Flag {
 func main() {
 	logrus.SetOutput(os.Stderr)
 	app := newApp(os.Stdout)
-	if err := app.Run(os.Args); err != nil {
+	if err := app.Run(flagsFirst(os.Args)); err != nil {
 		var ec cli.ExitCoder
 		if errors.As(err, &ec) {
 			fmt.Fprintln(os.Stderr, "k3s-pinning:", err)
@@ -251,6 +252,36 @@ func printSync(w io.Writer, r *images.SyncReport) {
 	if r.PolicyErr != nil {
 		fmt.Fprintf(w, "policy: FAILED: %v\n", r.PolicyErr)
 	}
+}
+
+// flagsFirst moves the flags of a subcommand ahead of its references, so that
+// `k3s-pinning pin REF --containerd-address S` works: urfave/cli stops reading flags at the first
+// argument. Every flag here takes a value except help, so a flag without "=" takes the next token.
+func flagsFirst(args []string) []string {
+	if len(args) < 3 {
+		return args
+	}
+	var flags, refs []string
+	rest := args[2:]
+	for i := 0; i < len(rest); i++ {
+		a := rest[i]
+		switch {
+		case a == "--":
+			refs = append(refs, rest[i+1:]...)
+			i = len(rest)
+		case strings.HasPrefix(a, "-") && len(a) > 1:
+			flags = append(flags, a)
+			name := strings.TrimLeft(a, "-")
+			if !strings.Contains(a, "=") && name != "help" && name != "h" && i+1 < len(rest) {
+				i++
+				flags = append(flags, rest[i])
+			}
+		default:
+			refs = append(refs, a)
+		}
+	}
+	out := append([]string{args[0], args[1]}, flags...)
+	return append(out, refs...)
 }
 
 func shortDigest(d string) string {

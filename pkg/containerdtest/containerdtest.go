@@ -23,7 +23,7 @@ import (
 // Binaries are the containerd programs built from the pinned module version.
 type Binaries struct {
 	Containerd, Ctr, Shim string
-	Version            string // containerd module version
+	Version               string // containerd module version
 }
 
 const modulePath = "github.com/k3s-pinning/k3s-pinning"

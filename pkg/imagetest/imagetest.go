@@ -95,7 +95,7 @@ func WriteOCI(path string, entries map[string]any) error {
 			return err
 		}
 		ann := layout.WithAnnotations(map[string]string{
-			"io.containerd.image.name":         t.Name(),
+			"io.containerd.image.name":          t.Name(),
 			"org.opencontainers.image.ref.name": t.TagStr(),
 		})
 		switch v := e.(type) {

@@ -9,8 +9,8 @@ import (
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
-	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"google.golang.org/grpc"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"

@@ -1,0 +1,151 @@
+package images_test
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+)
+
+func archiveAt(t *testing.T, path string) images.Archive {
+	t.Helper()
+	info, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return images.Archive{Path: path, Size: info.Size(), ModTime: info.ModTime()}
+}
+
+// TestReadIndexMatchesImages: the index names every tag with the image ID (config digest) the
+// CRI will report, for both formats and every compression, without importing anything.
+func TestReadIndexMatchesImages(t *testing.T) {
+	dir := t.TempDir()
+	img, err := imagetest.Image(16<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := img.ConfigName()
+	manifestDigest, _ := img.Digest()
+	multi, err := imagetest.MultiPlatform(8<<10, v1.Platform{OS: "linux", Architecture: "arm64"}, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	multiDigest, _ := multi.Digest()
+	im, _ := multi.IndexManifest()
+	amd64Img, _ := multi.Image(im.Manifests[1].Digest)
+	amd64ID, _ := amd64Img.ConfigName()
+
+	for _, ext := range imagetest.Extensions {
+		dockerPath := filepath.Join(dir, "d"+ext)
+		if err := imagetest.WriteDocker(dockerPath, map[string]v1.Image{"app:1": img, "acc.example/app:2": img}); err != nil {
+			t.Fatal(err)
+		}
+		idx, err := images.ReadIndex(archiveAt(t, dockerPath))
+		if err != nil {
+			t.Fatalf("%s: %v", ext, err)
+		}
+		got := map[string]string{}
+		for _, i := range idx.Images {
+			got[i.Ref] = i.ImageID.String()
+		}
+		if idx.Format != images.DockerArchive || len(got) != 2 || got["docker.io/library/app:1"] != id.String() || got["acc.example/app:2"] != id.String() {
+			t.Errorf("%s docker index = %v %v, want both tags with image ID %s", ext, idx.Format, got, id)
+		}
+
+		ociPath := filepath.Join(dir, "o"+ext)
+		if err := imagetest.WriteOCI(ociPath, map[string]any{"acc.example/one:1": img, "acc.example/multi:1": multi}); err != nil {
+			t.Fatal(err)
+		}
+		idx, err = images.ReadIndex(archiveAt(t, ociPath))
+		if err != nil {
+			t.Fatalf("%s: %v", ext, err)
+		}
+		byRef := map[string]images.IndexedImage{}
+		for _, i := range idx.Images {
+			byRef[i.Ref] = i
+		}
+		if one := byRef["acc.example/one:1"]; one.Digest.String() != manifestDigest.String() || one.ImageID.String() != id.String() {
+			t.Errorf("%s oci single: %+v", ext, one)
+		}
+		if m := byRef["acc.example/multi:1"]; m.Digest.String() != multiDigest.String() || m.ImageID.String() != amd64ID.String() {
+			t.Errorf("%s oci multi: %+v, want index digest %s and the linux/amd64 image ID %s", ext, m, multiDigest, amd64ID)
+		}
+	}
+}
+
+func TestReadIndexRejectsBadArchives(t *testing.T) {
+	dir := t.TempDir()
+	img, _ := imagetest.Image(256<<10, imagetest.Amd64)
+	good := filepath.Join(dir, "good.tar")
+	if err := imagetest.WriteDocker(good, map[string]v1.Image{"app:1": img}); err != nil {
+		t.Fatal(err)
+	}
+	data, _ := os.ReadFile(good)
+	write := func(name string, b []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for path, want := range map[string]string{
+		write("truncated.tar", data[:len(data)/2]):          "",
+		write("empty.tar", nil):                             "not an image archive",
+		write("corrupt.tar.gz", []byte("\x1f\x8b garbage")): "",
+		write("corrupt.tar.zst", []byte("not zstd at all")): "",
+	} {
+		_, err := images.ReadIndex(archiveAt(t, path))
+		if err == nil {
+			t.Errorf("%s: read without error", filepath.Base(path))
+			continue
+		}
+		if !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: error %q does not name the file (and %q)", filepath.Base(path), err, want)
+		}
+	}
+}
+
+func TestReadListNamesBadLines(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pull.txt")
+	content := "# comment\n\ndocker.io/library/redis:7\nnginx\n  Not A Ref  \n" + strings.Repeat("x", 5000) + "\n"
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	idx, err := images.ReadIndex(archiveAt(t, path))
+	if err == nil || !strings.Contains(err.Error(), "pull.txt:5") || !strings.Contains(err.Error(), "pull.txt:6") {
+		t.Errorf("error %v does not name lines 5 and 6", err)
+	}
+	var refs []string
+	for _, i := range idx.Images {
+		refs = append(refs, i.Ref)
+	}
+	if strings.Join(refs, " ") != "docker.io/library/redis:7 docker.io/library/nginx:latest" {
+		t.Errorf("good lines = %v", refs)
+	}
+}
+
+func TestScanSkipsHiddenAndNamesUnsupported(t *testing.T) {
+	dir := t.TempDir()
+	for _, name := range []string{"a.tar", "B.TAR.GZ", "c.txt", ".cache.json", "d.zip", "e.tar.xz"} {
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	os.Mkdir(filepath.Join(dir, "sub"), 0o755)
+	archives, errs := images.Scan(dir)
+	var names []string
+	for _, a := range archives {
+		names = append(names, a.Name())
+	}
+	if strings.Join(names, " ") != "B.TAR.GZ a.tar c.txt" {
+		t.Errorf("archives = %v", names)
+	}
+	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "d.zip") || !strings.Contains(errs[1].Error(), "e.tar.xz") {
+		t.Errorf("errors = %v, want d.zip and e.tar.xz named", errs)
+	}
+}

@@ -1,0 +1,66 @@
+package images_test
+
+import (
+	"fmt"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// TestListIsPulledThroughCRIAndPinned: a .txt list is pulled through the CRI image service (so
+// registry mirrors and credentials apply, as in k3s), and each reference is pinned with its
+// repo@digest reference; a bad line and an unreachable registry are named and do not stop the rest.
+func TestListIsPulledThroughCRIAndPinned(t *testing.T) {
+	n := newNode(t)
+	reg := httptest.NewServer(registry.New())
+	t.Cleanup(reg.Close)
+	host := strings.TrimPrefix(reg.URL, "http://")
+	ref := host + "/team/pulled:1.0"
+	img, err := imagetest.Image(32<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag, err := name.NewTag(ref, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(tag, img); err != nil {
+		t.Fatal(err)
+	}
+	dgst, err := img.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Port 1 on loopback: nothing listens, the pull fails at once.
+	list := fmt.Sprintf("# air-gap list\n%s\n\nnot/a/REF::\n127.0.0.1:1/missing/image:1.0\n", ref)
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "images.txt"), []byte(list), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	report := n.agent(nil).Sync(n.ctx)
+	err = report.Err()
+	if err == nil {
+		t.Fatal("sync reported success with a bad line and an unreachable registry")
+	}
+	for _, want := range []string{"images.txt:4", "images.txt:5", "127.0.0.1:1/missing/image:1.0"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not name %s:\n%v", want, err)
+		}
+	}
+	for _, r := range []string{ref, host + "/team/pulled@" + dgst.String()} {
+		if present, pinned := n.criPinned(r); !present || !pinned {
+			t.Errorf("%s: present=%t pinned=%t", r, present, pinned)
+		}
+		if src := n.labels(r)[pinning.LabelSource]; src != "images.txt" {
+			t.Errorf("%s: source %q, want images.txt", r, src)
+		}
+	}
+}
