@@ -1,0 +1,317 @@
+// Package demo is the main job of k3s-pinning on an embedded default: a private containerd, an
+// air-gap images dir with archives in several formats, one image imported by hand that nobody
+// wants, the k3s-pinning agent, then the kubelet's real image GC with the image filesystem 95%
+// full. `make demo` prints its table; the tests assert on the same Result.
+package demo
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"google.golang.org/grpc"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+	"github.com/k3s-pinning/k3s-pinning/test/kubelet/kubeletgc"
+)
+
+// GCPath is how the kubelet is asked to delete images.
+type GCPath string
+
+const (
+	// Threshold is the periodic GC when usage passes imageGCHighThresholdPercent.
+	Threshold GCPath = "threshold"
+	// Eviction is the eviction manager's DeleteUnusedImages under DiskPressure.
+	Eviction GCPath = "eviction"
+)
+
+// Options choose the scenario.
+type Options struct {
+	// Agent: the images dir is loaded by the k3s-pinning agent. Without it the archives are
+	// imported by hand with `ctr images import`, unpinned: the failure this project prevents.
+	Agent bool
+	Path  GCPath
+}
+
+// Row is one reference before and after the GC.
+type Row struct {
+	Ref     string
+	From    string // the archive it came from, or "hand import"
+	Wanted  bool   // from the images dir: must survive
+	Pinned  bool   // CRI view before the GC
+	Before  bool
+	After   bool
+	ImageID string
+}
+
+// Result is what the GC did.
+type Result struct {
+	Rows    []Row
+	GCError error    // the GC's own error (it reports when it cannot free all it wanted)
+	Removed []string // the GC's "Removing image" log lines
+}
+
+// archives is the embedded air-gap images dir: file name -> what it holds.
+var archives = []struct {
+	file string
+	oci  bool
+	refs []string
+}{
+	{"core-images.tar", false, []string{"airgap.example/core/coredns:1.12.0", "airgap.example/core/metrics-server:0.8.0"}},
+	{"apps.tar.zst", true, []string{"airgap.example/apps/web:2.1", "airgap.example/apps/api:1.4"}},
+	{"tools.tar.gz", false, []string{"airgap.example/tools/busybox:1.37"}},
+}
+
+const unwanted = "registry.example/scratch/debug:0.1"
+
+// Run runs the scenario in a fresh temp dir and removes everything it started on return.
+func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
+	work, err := os.MkdirTemp("", "k3s-pinning-demo-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(work)
+	fmt.Fprintf(log, "== building containerd from the go.mod pin (cached after the first run)\n")
+	d, err := containerdtest.Start(ctx, work, containerdtest.Options{})
+	if err != nil {
+		return nil, err
+	}
+	defer d.Stop()
+	fmt.Fprintf(log, "== containerd %s running at %s\n", d.Bin.Version, d.Address)
+
+	imagesDir := filepath.Join(work, "images")
+	handDir := filepath.Join(work, "hand")
+	for _, dir := range []string{imagesDir, handDir} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	from := map[string]string{}
+	for _, a := range archives {
+		if err := writeArchive(filepath.Join(imagesDir, a.file), a.oci, a.refs); err != nil {
+			return nil, err
+		}
+		for _, r := range a.refs {
+			from[r] = a.file
+		}
+	}
+	handArchive := filepath.Join(handDir, "debug.tar")
+	if err := writeArchive(handArchive, false, []string{unwanted}); err != nil {
+		return nil, err
+	}
+	from[unwanted] = "hand import"
+
+	client, err := d.Client()
+	if err != nil {
+		return nil, err
+	}
+	defer client.Close()
+	ctx = namespaces.WithNamespace(ctx, pinning.DefaultNamespace)
+
+	toImport := []string{handArchive}
+	if opts.Agent {
+		fmt.Fprintf(log, "== k3s-pinning agent: sync %s\n", imagesDir)
+		report := images.NewAgent(client, images.Config{ImagesDir: imagesDir}).Sync(ctx)
+		for _, a := range report.Archives {
+			fmt.Fprintf(log, "   %-16s %-15s %d references, imported=%t\n", a.Archive.Name(), a.Format, len(a.Refs), a.Imported)
+		}
+		if err := report.Err(); err != nil {
+			return nil, err
+		}
+	} else {
+		fmt.Fprintf(log, "== control: archives imported by hand with `ctr images import`, no k3s-pinning\n")
+		for _, a := range archives {
+			toImport = append(toImport, filepath.Join(imagesDir, a.file))
+		}
+	}
+	for _, path := range toImport {
+		out, err := exec.CommandContext(ctx, d.Bin.Ctr, "-a", d.Address, "-n", pinning.DefaultNamespace, "images", "import", path).CombinedOutput()
+		if err != nil {
+			return nil, fmt.Errorf("ctr images import %s: %v\n%s", path, err, out)
+		}
+	}
+
+	cri := runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn))
+	// The CRI's view of labels follows the metadata store by a moment; let it settle, as the
+	// kubelet would see it minutes after start-up.
+	before, err := settledImages(ctx, cri)
+	if err != nil {
+		return nil, err
+	}
+
+	var gcLog bytes.Buffer
+	klog.LogToStderr(false)
+	klog.SetOutput(&gcLog)
+	defer klog.LogToStderr(true)
+	runtime := kubeletgc.NewCRIRuntime(client.Conn().(*grpc.ClientConn))
+	disk := &kubeletgc.DiskUsage{Capacity: 1 << 30, UsedPercent: 95}
+	manager, err := kubeletgc.NewManager(runtime, disk, kubeletgc.Policy())
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(log, "== kubelet image GC (%s), image filesystem %d%% full of %d MiB\n", opts.Path, disk.UsedPercent, disk.Capacity>>20)
+	res := &Result{}
+	switch opts.Path {
+	case Eviction:
+		res.GCError = manager.DeleteUnusedImages(ctx)
+	default:
+		res.GCError = kubeletgc.GarbageCollect(ctx, manager)
+	}
+	klog.Flush()
+	sc := bufio.NewScanner(&gcLog)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), "Removing image") {
+			res.Removed = append(res.Removed, sc.Text())
+		}
+	}
+	after, err := listImages(ctx, cri)
+	if err != nil {
+		return nil, err
+	}
+
+	refs := map[string]bool{}
+	for r := range from {
+		refs[r] = true
+	}
+	for _, img := range before {
+		for _, t := range img.RepoTags {
+			refs[t] = true
+		}
+	}
+	for ref := range refs {
+		row := Row{Ref: ref, From: from[ref], Wanted: from[ref] != "" && from[ref] != "hand import"}
+		if img := findTag(before, ref); img != nil {
+			row.Before, row.Pinned, row.ImageID = true, img.Pinned, img.Id
+		}
+		row.After = findTag(after, ref) != nil
+		res.Rows = append(res.Rows, row)
+	}
+	sort.Slice(res.Rows, func(i, j int) bool { return res.Rows[i].Ref < res.Rows[j].Ref })
+	return res, nil
+}
+
+func writeArchive(path string, oci bool, refs []string) error {
+	// 1-3 MiB of random layer each, as distinct images
+	if oci {
+		entries := map[string]any{}
+		for i, r := range refs {
+			var err error
+			if i == 0 {
+				entries[r], err = imagetest.MultiPlatform(1<<20, imagetest.Amd64, v1.Platform{OS: "linux", Architecture: "arm64"})
+			} else {
+				entries[r], err = imagetest.Image(int64(i+1)<<20, imagetest.Amd64)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return imagetest.WriteOCI(path, entries)
+	}
+	tags := map[string]v1.Image{}
+	for i, r := range refs {
+		img, err := imagetest.Image(int64(i+1)<<20, imagetest.Amd64)
+		if err != nil {
+			return err
+		}
+		tags[r] = img
+	}
+	return imagetest.WriteDocker(path, tags)
+}
+
+func listImages(ctx context.Context, cri runtimeapi.ImageServiceClient) ([]*runtimeapi.Image, error) {
+	resp, err := cri.ListImages(ctx, &runtimeapi.ListImagesRequest{})
+	if err != nil {
+		return nil, err
+	}
+	return resp.Images, nil
+}
+
+// settledImages lists images once two lists a moment apart agree on every pinned flag.
+func settledImages(ctx context.Context, cri runtimeapi.ImageServiceClient) ([]*runtimeapi.Image, error) {
+	prev, err := listImages(ctx, cri)
+	if err != nil {
+		return nil, err
+	}
+	for i := 0; i < 20; i++ {
+		time.Sleep(100 * time.Millisecond)
+		cur, err := listImages(ctx, cri)
+		if err != nil {
+			return nil, err
+		}
+		if pinnedSet(cur) == pinnedSet(prev) {
+			return cur, nil
+		}
+		prev = cur
+	}
+	return prev, nil
+}
+
+func pinnedSet(imgs []*runtimeapi.Image) string {
+	var s []string
+	for _, i := range imgs {
+		s = append(s, fmt.Sprintf("%s=%t", i.Id, i.Pinned))
+	}
+	sort.Strings(s)
+	return strings.Join(s, ",")
+}
+
+func findTag(imgs []*runtimeapi.Image, ref string) *runtimeapi.Image {
+	for _, img := range imgs {
+		for _, t := range img.RepoTags {
+			if t == ref {
+				return img
+			}
+		}
+	}
+	return nil
+}
+
+// Print writes the before/after table and the verdict; ok says whether every air-gap image
+// survived and the unwanted one was collected.
+func (r *Result) Print(w io.Writer) (ok bool) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "IMAGE\tFROM\tPINNED\tBEFORE GC\tAFTER GC")
+	kept, wanted, collected := 0, 0, true
+	for _, row := range r.Rows {
+		fmt.Fprintf(tw, "%s\t%s\t%t\t%s\t%s\n", row.Ref, row.From, row.Pinned, presence(row.Before), presence(row.After))
+		if row.Wanted {
+			wanted++
+			if row.After {
+				kept++
+			}
+		} else if row.After {
+			collected = false
+		}
+	}
+	tw.Flush()
+	fmt.Fprintf(w, "kubelet GC removed %d image(s)", len(r.Removed))
+	if r.GCError != nil {
+		fmt.Fprintf(w, "; it reported: %v", r.GCError)
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "air-gap images kept: %d of %d; unwanted image collected: %t\n", kept, wanted, collected)
+	return kept == wanted && collected
+}
+
+func presence(b bool) string {
+	if b {
+		return "present"
+	}
+	return "DELETED"
+}
