@@ -71,23 +71,23 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 	}
 	source := idx.Archive.Name()
 	for _, img := range targets {
-		for _, name := range im.references(img.Name, img.Target.Digest) {
+		for _, name := range References(img.Name, img.Target.Digest, im.extraRegistries) {
 			refs = append(refs, im.putRef(ctx, images.Image{Name: name, Target: img.Target}, source))
 		}
 	}
 	return refs, imported, nil
 }
 
-// references are all the names one imported image gets: its own, repo@digest, and one per extra
-// registry.
-func (im *Importer) references(name string, dgst digest.Digest) []string {
+// References are all the names one image of an archive gets: its own, repo@digest (once the
+// digest is known), and one per --airgap-extra-registry, as k3s retags.
+func References(name string, dgst digest.Digest, extraRegistries []string) []string {
 	names := []string{name}
 	if dr := digestRef(name, dgst); dr != "" {
 		names = append(names, dr)
 	}
 	if tagged, err := reference.ParseDockerRef(name); err == nil {
 		if t, ok := tagged.(reference.NamedTagged); ok {
-			for _, reg := range im.extraRegistries {
+			for _, reg := range extraRegistries {
 				names = append(names, fmt.Sprintf("%s/%s:%s", strings.TrimSuffix(reg, "/"), reference.Path(t), t.Tag()))
 			}
 		}

@@ -51,11 +51,6 @@ type IndexedImage struct {
 	Line int
 }
 
-// DigestRef is the repo@digest reference of img, or "" when its digest is not known yet.
-func (img IndexedImage) DigestRef() string {
-	return digestRef(img.Ref, img.Digest)
-}
-
 func digestRef(ref string, dgst digest.Digest) string {
 	named, err := reference.ParseNormalizedNamed(ref)
 	if err != nil || dgst == "" {

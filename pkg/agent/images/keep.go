@@ -17,12 +17,10 @@ type wantedSet struct {
 
 func newWantedSet(indexes []*Index, policy *pinning.Policy, extraRegistries []string) *wantedSet {
 	w := &wantedSet{refs: map[string]string{}, archives: map[string]bool{}, policy: policy}
-	names := &Importer{extraRegistries: extraRegistries}
 	for _, idx := range indexes {
 		w.archives[idx.Archive.Name()] = true
 		for _, img := range idx.Images {
-			refs := names.references(img.Ref, img.Digest)
-			for _, r := range refs {
+			for _, r := range References(img.Ref, img.Digest, extraRegistries) {
 				if _, taken := w.refs[r]; !taken { // archives are read in name order: the first wins
 					w.refs[r] = idx.Archive.Name()
 				}
