@@ -64,6 +64,14 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 		return nil, false, err
 	}
 	if !complete {
+		// The lease holds the imported content until the references exist: released earlier,
+		// containerd's GC may collect content that no image refers to yet.
+		var done func(context.Context) error
+		ctx, done, err = im.client.WithLease(ctx)
+		if err != nil {
+			return nil, false, err
+		}
+		defer done(ctx)
 		if targets, err = im.importTarball(ctx, idx.Archive); err != nil {
 			return nil, false, &ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
@@ -125,7 +133,7 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 
 // importTarball imports the content of archive a and returns its named top-level images, as
 // client.Import does with all platforms and missing content skipped (k3s's options), but creates
-// no image record: putRef does, with the pin labels.
+// no image record: putRef does, with the pin labels. ctx must carry a lease.
 func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Image, error) {
 	open, err := tarfile.GetOpener(a.Path)
 	if err != nil {
@@ -136,12 +144,6 @@ func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Imag
 		return nil, err
 	}
 	defer rc.Close()
-
-	ctx, done, err := im.client.WithLease(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer done(ctx)
 
 	cs := im.client.ContentStore()
 	index, err := archive.ImportIndex(ctx, cs, rc)
