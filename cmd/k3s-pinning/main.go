@@ -10,7 +10,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -31,10 +33,11 @@ const (
 )
 
 type options struct {
-	address, imagesDir, namespace string
-	extraRegistries               cli.StringSlice
-	policy                        images.PolicyOptions
-	output                        string
+	address, imagesDir, namespace, stateFile string
+	extraRegistries                          cli.StringSlice
+	policy                                   images.PolicyOptions
+	output, metricsAddress                   string
+	run                                      images.RunOptions
 }
 
 // commonFlags are accepted by every subcommand after its own name.
@@ -43,6 +46,7 @@ func commonFlags(o *options) []cli.Flag {
 		&cli.StringFlag{Name: "containerd-address", Value: "/run/k3s/containerd/containerd.sock", Usage: "containerd socket (k3s's own by default)", Destination: &o.address},
 		&cli.StringFlag{Name: "images-dir", Value: images.DefaultImagesDir, Usage: "air-gap images dir", Destination: &o.imagesDir},
 		&cli.StringFlag{Name: "namespace", Value: pinning.DefaultNamespace, Usage: "containerd namespace (the CRI uses k8s.io)", Destination: &o.namespace},
+		&cli.StringFlag{Name: "state-file", Value: images.DefaultStateFile, Usage: "what each archive provided, kept across restarts (outside the images dir)", Destination: &o.stateFile},
 		&cli.StringSliceFlag{Name: "airgap-extra-registry", Usage: "also tag imported images under this registry, as k3s --airgap-extra-registry does", Destination: &o.extraRegistries},
 	}, images.PolicyFlags(&o.policy)...)
 }
@@ -82,6 +86,30 @@ func newApp(stdout io.Writer) *cli.App {
 							return cli.Exit("sync: not every archive was processed (see above)", exitProblem)
 						}
 						return nil
+					})
+				},
+			},
+			{
+				Name:  "run",
+				Usage: "sync, then keep every wanted image present and pinned until SIGTERM: re-pin, restore from the archive, follow the images dir",
+				Flags: append(commonFlags(o),
+					&cli.DurationFlag{Name: "reconcile-interval", Value: images.DefaultReconcileInterval, Usage: "period of the full reconcile behind the events", Destination: &o.run.ReconcileInterval},
+					&cli.BoolFlag{Name: "restore", Value: true, Usage: "re-import a wanted image that was deleted, from its archive", Destination: &o.run.Restore},
+					&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus /metrics here (a bare :port listens on 127.0.0.1)", Destination: &o.metricsAddress},
+				),
+				Action: func(c *cli.Context) error {
+					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+						ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+						defer stop()
+						if o.metricsAddress != "" {
+							go func() {
+								if err := images.ServeMetrics(ctx, o.metricsAddress); err != nil {
+									logrus.Fatalf("metrics: %v", err)
+								}
+							}()
+						}
+						logrus.Infof("k3s-pinning run: protecting %s on %s", o.imagesDir, o.address)
+						return a.Run(ctx, o.run)
 					})
 				},
 			},
@@ -198,7 +226,7 @@ func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agen
 	if _, err := client.Version(vctx); err != nil {
 		return cli.Exit(fmt.Sprintf("containerd at %s does not answer: %v", o.address, err), exitUsage)
 	}
-	agent := images.NewAgent(client, images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value()})
+	agent := images.NewAgent(client, images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile})
 	return fn(ctx, agent)
 }
 
@@ -256,7 +284,8 @@ func printSync(w io.Writer, r *images.SyncReport) {
 
 // flagsFirst moves the flags of a subcommand ahead of its references, so that
 // `k3s-pinning pin REF --containerd-address S` works: urfave/cli stops reading flags at the first
-// argument. Every flag here takes a value except help, so a flag without "=" takes the next token.
+// argument. Every flag here takes a value except the booleans help and restore, so any other flag
+// without "=" takes the next token.
 func flagsFirst(args []string) []string {
 	if len(args) < 3 {
 		return args
@@ -272,7 +301,7 @@ func flagsFirst(args []string) []string {
 		case strings.HasPrefix(a, "-") && len(a) > 1:
 			flags = append(flags, a)
 			name := strings.TrimLeft(a, "-")
-			if !strings.Contains(a, "=") && name != "help" && name != "h" && i+1 < len(rest) {
+			if !strings.Contains(a, "=") && name != "help" && name != "h" && name != "restore" && i+1 < len(rest) {
 				i++
 				flags = append(flags, rest[i])
 			}

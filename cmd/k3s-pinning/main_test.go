@@ -98,7 +98,7 @@ func TestSyncStatusDoctorPinUnpin(t *testing.T) {
 	ctr("images", "import", hand)
 	ctr("images", "label", "hand.example/other:1.0", "io.cri.containerd.pinned=pinned") // the seed report's misspelling
 
-	common := []string{"--containerd-address", d.Address, "--images-dir", imagesDir}
+	common := []string{"--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", filepath.Join(t.TempDir(), "state.json")}
 
 	// Before sync, doctor finds the unpinned archive image and the misspelled label.
 	out, _, code := run(t, append([]string{"doctor"}, common...)...)

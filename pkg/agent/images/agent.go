@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/opencontainers/go-digest"
 	"github.com/sirupsen/logrus"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -17,6 +19,9 @@ type Config struct {
 	ImagesDir       string
 	Policy          *pinning.Policy
 	ExtraRegistries []string
+	// StateFile keeps what each archive provided across restarts (DefaultStateFile for the
+	// daemon). Empty: the state lives in memory only, and each process starts by re-indexing.
+	StateFile string
 }
 
 // Agent keeps the images of the images dir, and those the policy names, present and pinned.
@@ -25,6 +30,7 @@ type Agent struct {
 	cfg      Config
 	importer *Importer
 	pinner   *pinning.Pinner
+	state    *State
 }
 
 // NewAgent returns an Agent on client. The containerd namespace comes from each call's context.
@@ -34,6 +40,31 @@ func NewAgent(client *containerd.Client, cfg Config) *Agent {
 		cfg:      cfg,
 		importer: NewImporter(client, cfg.ExtraRegistries),
 		pinner:   pinning.NewPinner(client.ImageService()),
+		state:    loadState(cfg.StateFile),
+	}
+}
+
+func loadState(path string) *State {
+	if path == "" {
+		return newState()
+	}
+	s, err := LoadState(path)
+	if err != nil {
+		logrus.Warnf("%v", err)
+	}
+	return s
+}
+
+// saveState writes the state if a file is configured. A failure (full or read-only disk) is
+// reported in the agent's view and otherwise ignored: protection goes on from memory.
+func (a *Agent) saveState() {
+	if a.cfg.StateFile == "" {
+		return
+	}
+	a.state.Agent.StateError = ""
+	if err := a.state.Save(a.cfg.StateFile); err != nil {
+		a.state.Agent.StateError = err.Error()
+		logrus.Errorf("%v; protecting from memory", err)
 	}
 }
 
@@ -72,14 +103,26 @@ func (r *SyncReport) Err() error {
 // dir provides, then pins what the policy wants. One bad archive never stops the others, and no
 // pin is ever removed.
 func (a *Agent) Sync(ctx context.Context) *SyncReport {
+	start := time.Now()
+	defer func() { metrics.reconcile.Observe(time.Since(start).Seconds()) }()
 	report := &SyncReport{}
 	archives, scanErrs := Scan(a.cfg.ImagesDir)
 	report.ScanErrors = scanErrs
 	for _, err := range scanErrs {
 		logrus.Errorf("images dir: %v", err)
 	}
+	seen := map[string]bool{}
 	for _, ar := range archives {
+		seen[ar.Name()] = true
 		report.Archives = append(report.Archives, a.syncArchive(ctx, ar))
+	}
+	for _, name := range sortedKeys(a.state.Archives) {
+		if !seen[name] {
+			logrus.Infof("%s left the images dir: unpinning what only it wanted", name)
+			old := a.state.Archives[name]
+			delete(a.state.Archives, name)
+			a.release(ctx, name, old.Refs, nil)
+		}
 	}
 	report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy)
 	for _, ref := range report.PolicyPinned {
@@ -88,20 +131,36 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	if report.PolicyErr != nil {
 		logrus.Errorf("policy: %v", report.PolicyErr)
 	}
+	a.observeReferences(ctx)
+	a.state.Agent.LastReconcile = time.Now()
+	a.state.Agent.ArchiveErrors = map[string]string{}
+	for _, ar := range report.Archives {
+		if ar.Err != nil {
+			a.state.Agent.ArchiveErrors[ar.Archive.Name()] = ar.Err.Error()
+		}
+	}
+	a.saveState()
 	return report
 }
 
 func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
-	idx, err := ReadIndex(ar)
-	if idx == nil {
+	old := a.state.Archives[ar.Name()]
+	var (
+		idx *Index
+		err error
+	)
+	if old.unchanged(ar) {
+		idx = old.index(ar) // a restart: no read, no hash, no import unless something is missing
+	} else if idx, err = ReadIndex(ar); idx == nil {
 		rep.Err = err
 		logrus.Errorf("%v", err)
-		return rep
+		return rep // the old record and its pins stay: a broken file never unpins anything
 	}
 	rep.Format = idx.Format
 	refs, imported, loadErr := a.importer.Load(ctx, idx)
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(err, loadErr)
+	a.record(ctx, ar, idx, old, refs)
 	for _, r := range refs {
 		switch {
 		case r.Err != nil:
@@ -117,6 +176,76 @@ func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	}
 	return rep
 }
+
+// record stores what ar provided, and unpins what its previous content provided and it no longer
+// does (an archive replaced under the same name).
+func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, old *ArchiveState, refs []RefResult) {
+	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Format: idx.Format, Refs: map[string]digest.Digest{}}
+	if old.unchanged(ar) {
+		rec.Digest = old.Digest
+	} else if d, err := fileDigest(ar.Path); err == nil {
+		rec.Digest = d
+	}
+	for _, r := range refs {
+		if r.Err == nil && r.Digest != "" {
+			rec.Refs[r.Ref] = digest.Digest(r.Digest)
+		}
+	}
+	for _, img := range idx.Images {
+		if d, ok := rec.Refs[img.Ref]; ok && img.Digest == "" {
+			img.Digest = d // docker archives: the manifest digest is known once imported
+		}
+		rec.Images = append(rec.Images, img)
+	}
+	if old != nil {
+		for ref, d := range old.Refs {
+			if nd, ok := rec.Refs[ref]; ok && nd != d {
+				logrus.Infof("%s: %s updated from %s to %s", ar.Name(), ref, d, nd)
+			}
+		}
+	}
+	a.state.Archives[ar.Name()] = rec
+	if old != nil {
+		a.release(ctx, ar.Name(), old.Refs, rec.Refs)
+	}
+}
+
+// release unpins the references source had and no longer has (keep), unless another archive or the
+// policy still wants them. Only pins recorded as source's are removed; the images stay, for the
+// kubelet to collect when it needs the space.
+func (a *Agent) release(ctx context.Context, source string, had, keep map[string]digest.Digest) {
+	store := a.client.ImageService()
+	for ref := range had {
+		if _, ok := keep[ref]; ok || a.wantedElsewhere(ref, source) {
+			continue
+		}
+		img, err := store.Get(ctx, ref)
+		if err != nil {
+			continue // gone already
+		}
+		if src, ours := pinning.OwnPin(img.Labels); !ours || src != source || a.cfg.Policy.Wants(img) {
+			continue
+		}
+		if err := a.pinner.Unpin(ctx, ref); err != nil {
+			logrus.Errorf("unpin %s: %v", ref, err)
+			continue
+		}
+		logrus.Infof("unpinned %s: %s no longer provides it", ref, source)
+	}
+}
+
+func (a *Agent) wantedElsewhere(ref, source string) bool {
+	for name, rec := range a.state.Archives {
+		if _, ok := rec.Refs[ref]; ok && name != source {
+			return true
+		}
+	}
+	return false
+}
+
+// View is the agent's own view (last reconcile, restores, failures). Not safe while Run runs:
+// other processes read it from the state file.
+func (a *Agent) View() AgentView { return a.state.Agent }
 
 // PinManual pins ref by hand (`k3s-pinning pin`), recorded as SourceManual.
 func (a *Agent) PinManual(ctx context.Context, ref string) (pinning.PinResult, error) {

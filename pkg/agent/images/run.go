@@ -1,0 +1,322 @@
+package images
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"syscall"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/typeurl/v2"
+	"github.com/fsnotify/fsnotify"
+	"github.com/sirupsen/logrus"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// RunOptions tune the long-running agent.
+type RunOptions struct {
+	// ReconcileInterval is the period of the full reconcile that backs up the events.
+	ReconcileInterval time.Duration
+	// Restore re-imports a wanted image that was deleted, from its archive.
+	Restore bool
+}
+
+// DefaultReconcileInterval is the safety-net period; events do the steady-state work.
+const DefaultReconcileInterval = 5 * time.Minute
+
+const (
+	// fsSettle lets a copy into the images dir finish before the archive is read.
+	fsSettle = time.Second
+	// restoreGather collects the burst of delete events one RemoveImage makes (every reference of
+	// the image) into one restore per archive.
+	restoreGather = 100 * time.Millisecond
+	// reconnectMax caps the wait between attempts to reach containerd again, so that protection
+	// resumes within a few seconds of it coming back.
+	reconnectMax = 2 * time.Second
+	retryMin     = time.Second
+	retryMax     = time.Minute
+)
+
+// pendingRestore is an archive with references to bring back.
+type pendingRestore struct {
+	refs    map[string]bool
+	retryAt time.Time
+	backoff time.Duration
+	noSpace bool // the last attempt failed on a full disk
+}
+
+// Run syncs, then keeps the node in the wanted state until ctx ends: it re-pins a wanted reference
+// whose pin is removed, restores a wanted reference that is deleted, follows archives added,
+// replaced and removed, and reconciles in full every ReconcileInterval and whenever containerd
+// comes back. The namespace is the one in ctx.
+func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
+	if opts.ReconcileInterval <= 0 {
+		opts.ReconcileInterval = DefaultReconcileInterval
+	}
+	ns, err := namespaces.NamespaceRequired(ctx)
+	if err != nil {
+		return err
+	}
+	events := make(chan any, 256)
+	resync := make(chan struct{}, 1)
+	request := func() {
+		select {
+		case resync <- struct{}{}:
+		default:
+		}
+	}
+	go a.watchEvents(ctx, ns, events, request)
+	go a.watchDir(ctx, request)
+
+	a.Sync(ctx)
+	pending := map[string]*pendingRestore{}
+	ticker := time.NewTicker(opts.ReconcileInterval)
+	defer ticker.Stop()
+	restoreTimer := time.NewTimer(time.Hour)
+	restoreTimer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			a.saveState()
+			return nil
+		case <-ticker.C:
+			a.Sync(ctx)
+		case <-resync:
+			a.Sync(ctx)
+		case ev := <-events:
+			switch e := ev.(type) {
+			case *eventstypes.ImageCreate:
+				a.repin(ctx, e.Name, e.Labels)
+			case *eventstypes.ImageUpdate:
+				a.repin(ctx, e.Name, e.Labels)
+			case *eventstypes.ImageDelete:
+				if src := a.archiveOf(e.Name); opts.Restore && src != "" {
+					p := pending[src]
+					if p == nil {
+						p = &pendingRestore{refs: map[string]bool{}, backoff: retryMin}
+						pending[src] = p
+					}
+					p.refs[e.Name] = true
+					p.retryAt = time.Now().Add(restoreGather)
+					restoreTimer.Reset(restoreGather)
+				}
+			}
+		case <-restoreTimer.C:
+			next := a.restore(ctx, pending)
+			if next > 0 {
+				restoreTimer.Reset(next)
+			}
+		}
+		a.updateView(pending)
+	}
+}
+
+// repin pins again a wanted reference whose pin is gone (stripped by hand, or by k3s clearing its
+// labels at start), and pins a new image the policy wants.
+func (a *Agent) repin(ctx context.Context, name string, labels map[string]string) {
+	if pinning.IsPinned(labels) || isImageIDRecord(name) {
+		return
+	}
+	source := a.archiveOf(name)
+	if source == "" && a.cfg.Policy.Wants(imageNamed(name, labels)) {
+		source = pinning.SourcePolicy
+	}
+	if source == "" {
+		return
+	}
+	res, err := a.pinner.Pin(ctx, name, source)
+	switch {
+	case err != nil:
+		logrus.Errorf("re-pin %s: %v", name, err)
+	case res == pinning.Pinned:
+		metrics.repins.Inc()
+		logrus.Infof("pinned %s again (%s wants it)", name, source)
+	}
+}
+
+// archiveOf names the archive that provided ref, or "".
+func (a *Agent) archiveOf(ref string) string {
+	for _, name := range sortedKeys(a.state.Archives) {
+		if _, ok := a.state.Archives[name].Refs[ref]; ok {
+			return name
+		}
+	}
+	return ""
+}
+
+// restore re-loads every archive whose deadline has come and returns how long until the next
+// retry (0: nothing left). A failed restore is retried with backoff; a full disk is reported as
+// such, and nothing spins.
+func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore) time.Duration {
+	now := time.Now()
+	var next time.Duration
+	for _, name := range sortedKeys(pending) {
+		p := pending[name]
+		if wait := p.retryAt.Sub(now); wait > 0 {
+			if next == 0 || wait < next {
+				next = wait
+			}
+			continue
+		}
+		rec := a.state.Archives[name]
+		archives, _ := Scan(a.cfg.ImagesDir)
+		var ar *Archive
+		for i := range archives {
+			if archives[i].Name() == name {
+				ar = &archives[i]
+			}
+		}
+		if rec == nil || ar == nil {
+			delete(pending, name) // the archive left: nothing to restore from
+			continue
+		}
+		recorded := rec.Refs
+		start := time.Now()
+		rep := a.syncArchive(ctx, *ar)
+		if err := restoreError(rep, p.refs); err != nil {
+			metrics.restores.WithLabelValues("failed").Inc()
+			a.state.Agent.RestoresFailed++
+			p.retryAt, p.noSpace = time.Now().Add(p.backoff), isNoSpace(err)
+			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
+			p.backoff = min(2*p.backoff, retryMax)
+			if next == 0 || p.backoff < next {
+				next = p.backoff
+			}
+			continue
+		}
+		for ref := range p.refs {
+			if d := a.state.Archives[name].Refs[ref]; d != recorded[ref] {
+				logrus.Infof("%s now holds %s at %s (was %s): imported the update", name, ref, d, recorded[ref])
+			}
+		}
+		metrics.restores.WithLabelValues("ok").Inc()
+		a.state.Agent.RestoresDone++
+		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, time.Since(start).Round(time.Millisecond))
+		delete(pending, name)
+		a.saveState()
+	}
+	return next
+}
+
+func restoreError(rep ArchiveReport, refs map[string]bool) error {
+	var errs []error
+	if rep.Err != nil {
+		errs = append(errs, rep.Err)
+	}
+	got := map[string]bool{}
+	for _, r := range rep.Refs {
+		if r.Err == nil {
+			got[r.Ref] = true
+		}
+	}
+	for ref := range refs {
+		if !got[ref] {
+			errs = append(errs, fmt.Errorf("%s not brought back", ref))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (a *Agent) updateView(pending map[string]*pendingRestore) {
+	a.state.Agent.RestoresPending, a.state.Agent.WaitingForDisk = nil, nil
+	for _, p := range pending {
+		for ref := range p.refs {
+			a.state.Agent.RestoresPending = append(a.state.Agent.RestoresPending, ref)
+			if p.noSpace {
+				a.state.Agent.WaitingForDisk = append(a.state.Agent.WaitingForDisk, ref)
+			}
+		}
+	}
+}
+
+// isNoSpace reports a full disk, the state in which restores must wait rather than spin.
+func isNoSpace(err error) bool {
+	return errors.Is(err, syscall.ENOSPC) || (err != nil && strings.Contains(err.Error(), "no space left"))
+}
+
+// watchEvents forwards containerd's image events for namespace ns. When the stream breaks
+// (containerd restarted) it waits for containerd with capped backoff, subscribes again and asks
+// for a full reconcile, since events were missed meanwhile.
+func (a *Agent) watchEvents(ctx context.Context, ns string, out chan<- any, resync func()) {
+	filter := fmt.Sprintf(`namespace==%q,topic~="^/images/"`, ns)
+	wait := 100 * time.Millisecond
+	first := true
+	for ctx.Err() == nil {
+		serveCtx, cancel := context.WithTimeout(ctx, time.Second)
+		serving, _ := a.client.IsServing(serveCtx)
+		cancel()
+		if !serving {
+			time.Sleep(wait)
+			wait = min(2*wait, reconnectMax)
+			continue
+		}
+		subCtx, cancelSub := context.WithCancel(ctx)
+		evs, errs := a.client.Subscribe(subCtx, filter)
+		if !first {
+			logrus.Info("containerd is back: events resumed, reconciling")
+			resync()
+		}
+		first, wait = false, 100*time.Millisecond
+	stream:
+		for {
+			select {
+			case env := <-evs:
+				ev, err := typeurl.UnmarshalAny(env.Event)
+				if err == nil {
+					select {
+					case out <- ev:
+					case <-ctx.Done():
+					}
+				}
+			case err := <-errs:
+				if ctx.Err() == nil {
+					logrus.Warnf("containerd event stream ended: %v; reconnecting", err)
+				}
+				break stream
+			case <-ctx.Done():
+				break stream
+			}
+		}
+		cancelSub()
+	}
+}
+
+// watchDir asks for a reconcile when files of the images dir change, once writes have settled.
+func (a *Agent) watchDir(ctx context.Context, resync func()) {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		logrus.Errorf("watch %s: %v; relying on the periodic reconcile", a.cfg.ImagesDir, err)
+		return
+	}
+	defer w.Close()
+	for ctx.Err() == nil {
+		if err := w.Add(a.cfg.ImagesDir); err == nil {
+			break
+		}
+		select { // the dir may not exist yet: k3s creates it on demand
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Second):
+		}
+	}
+	settle := time.NewTimer(time.Hour)
+	settle.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev := <-w.Events:
+			if ev.Op != fsnotify.Chmod {
+				settle.Reset(fsSettle)
+			}
+		case err := <-w.Errors:
+			logrus.Warnf("watch %s: %v", a.cfg.ImagesDir, err)
+		case <-settle.C:
+			resync()
+		}
+	}
+}

@@ -1,0 +1,274 @@
+package images_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/images"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// runAgent runs the long-running agent on n until the test ends, and waits for its first sync.
+func (n *node) runAgent(stateFile string, wantPinned ...string) {
+	n.t.Helper()
+	a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
+	ctx, cancel := context.WithCancel(n.ctx)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx, agentimages.RunOptions{Restore: true, ReconcileInterval: time.Hour}) }()
+	n.t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			n.t.Errorf("Run: %v", err)
+		}
+	})
+	for _, ref := range wantPinned {
+		n.await(10*time.Second, ref+" pinned by the first sync", func() bool { return n.pinnedLabel(ref) })
+	}
+}
+
+// await polls cond until it holds or d passes, and returns how long it took.
+func (n *node) await(d time.Duration, what string, cond func() bool) time.Duration {
+	n.t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > d {
+			n.t.Fatalf("not within %s: %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+func (n *node) pinnedLabel(ref string) bool {
+	img, err := n.client.ImageService().Get(n.ctx, ref)
+	return err == nil && pinning.IsPinned(img.Labels)
+}
+
+func (n *node) target(ref string) string {
+	img, err := n.client.ImageService().Get(n.ctx, ref)
+	if err != nil {
+		return ""
+	}
+	return img.Target.Digest.String()
+}
+
+// setLabel sets (or with value "" removes) one label, as `ctr images label` does.
+func (n *node) setLabel(ref, key, value string) {
+	n.t.Helper()
+	if _, err := n.client.ImageService().Update(n.ctx, images.Image{Name: ref, Labels: map[string]string{key: value}}, "labels."+key); err != nil {
+		n.t.Fatalf("label %s %s=%s: %v", ref, key, value, err)
+	}
+}
+
+func TestRunRepinsStrippedLabelWithinOneSecond(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	n.runAgent("", "acc.example/app:1.0")
+	n.setLabel("acc.example/app:1.0", pinning.LabelPinned, "")
+	took := n.await(time.Second, "re-pinned after the label was stripped", func() bool { return n.pinnedLabel("acc.example/app:1.0") })
+	t.Logf("re-pinned %s after the strip", took)
+	if _, pinned := n.criPinned("acc.example/app:1.0"); !pinned {
+		t.Error("CRI does not report the re-pinned image as pinned")
+	}
+}
+
+// k3s clears io.cri-containerd.pinned from every image carrying io.cattle.k3s.pinned at each start,
+// then re-imports. Replay exactly that removal.
+func TestRunKeepsPinsThroughK3sLabelClearing(t *testing.T) {
+	n := newNode(t)
+	refs := []string{"acc.example/a:1", "acc.example/b:1"}
+	writeArchive(t, n.imagesDir, archiveCase{file: "k3s.tar.zst", refs: refs})
+	n.runAgent("", refs...)
+	for _, ref := range refs {
+		n.setLabel(ref, pinning.LabelK3sPinned, "pinned") // as k3s labels what it imports
+	}
+	all, err := n.client.ImageService().List(n.ctx, `labels."`+pinning.LabelK3sPinned+`"`)
+	if err != nil || len(all) < len(refs) {
+		t.Fatalf("images carrying the k3s label: %d, %v", len(all), err)
+	}
+	for _, img := range all {
+		n.setLabel(img.Name, pinning.LabelPinned, "")
+	}
+	for _, ref := range refs {
+		n.await(time.Second, ref+" pinned again after k3s cleared it", func() bool { return n.pinnedLabel(ref) })
+	}
+}
+
+func TestRunRestoresDeletedImageWithSameDigest(t *testing.T) {
+	n := newNode(t)
+	ref := "acc.example/app:1.0"
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar.gz", refs: []string{ref}})
+	n.runAgent("", ref)
+	want := n.target(ref)
+
+	// The CRI RemoveImage call, as crictl rmi and the kubelet make it: every reference goes.
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: ref}}); err != nil {
+		t.Fatal(err)
+	}
+	took := n.await(5*time.Second, ref+" restored after CRI RemoveImage", func() bool { return n.pinnedLabel(ref) })
+	t.Logf("restored %s after CRI RemoveImage", took)
+	if got := n.target(ref); got != want {
+		t.Errorf("restored digest %s, recorded %s", got, want)
+	}
+	if present, pinned := n.criPinned(ref); !present || !pinned {
+		t.Errorf("after restore: CRI present=%t pinned=%t", present, pinned)
+	}
+
+	// The same with `ctr images rm`, which deletes one reference.
+	out, err := exec.Command(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", "k8s.io", "images", "rm", ref).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ctr images rm: %v\n%s", err, out)
+	}
+	n.await(5*time.Second, ref+" restored after ctr images rm", func() bool { return n.pinnedLabel(ref) })
+	if got := n.target(ref); got != want {
+		t.Errorf("restored digest %s, recorded %s", got, want)
+	}
+}
+
+func TestRunUnpinsWhenArchiveLeaves(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "leaving.tar", refs: []string{"acc.example/leaving:1.0"}})
+	writeArchive(t, n.imagesDir, archiveCase{file: "staying.tar", refs: []string{"acc.example/staying:1.0"}})
+	hand := t.TempDir()
+	writeArchive(t, hand, archiveCase{file: "hand.tar", refs: []string{"hand.example/mine:1.0"}})
+	n.ctrImport(filepath.Join(hand, "hand.tar"))
+	n.setLabel("hand.example/mine:1.0", pinning.LabelPinned, pinning.PinnedValue) // the user's own pin
+	n.runAgent("", "acc.example/leaving:1.0", "acc.example/staying:1.0")
+	digestRef := ""
+	all, _ := n.client.ImageService().List(n.ctx)
+	for _, img := range all {
+		if strings.HasPrefix(img.Name, "acc.example/leaving@") {
+			digestRef = img.Name
+		}
+	}
+
+	if err := os.Remove(filepath.Join(n.imagesDir, "leaving.tar")); err != nil {
+		t.Fatal(err)
+	}
+	n.await(5*time.Second, "references of the removed archive unpinned", func() bool {
+		return !n.pinnedLabel("acc.example/leaving:1.0") && !n.pinnedLabel(digestRef)
+	})
+	if n.target("acc.example/leaving:1.0") == "" {
+		t.Error("the image of the removed archive was deleted; it must stay for the kubelet to collect")
+	}
+	if !n.pinnedLabel("acc.example/staying:1.0") || !n.pinnedLabel("hand.example/mine:1.0") {
+		t.Error("unpinning touched another archive's or the user's pin")
+	}
+}
+
+func TestRunFollowsReplacedArchive(t *testing.T) {
+	n := newNode(t)
+	ref := "acc.example/app:1.0"
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{ref}})
+	n.runAgent("", ref)
+	old := n.target(ref)
+	oldDigestRef := "acc.example/app@" + old
+
+	// Replace it under the same name, as an upgrade does (write aside, rename over).
+	tmp := t.TempDir()
+	writeArchive(t, tmp, archiveCase{file: "app.tar", refs: []string{ref}})
+	if err := os.Rename(filepath.Join(tmp, "app.tar"), filepath.Join(n.imagesDir, "app.tar")); err != nil {
+		t.Fatal(err)
+	}
+	n.await(10*time.Second, "new content imported", func() bool { return n.target(ref) != old && n.pinnedLabel(ref) })
+	n.await(5*time.Second, "old digest reference unpinned", func() bool { return !n.pinnedLabel(oldDigestRef) })
+	if n.target(oldDigestRef) == "" {
+		t.Error("old image deleted; it must only be unpinned")
+	}
+	if !n.pinnedLabel("acc.example/app@" + n.target(ref)) {
+		t.Error("new digest reference not pinned")
+	}
+}
+
+func TestRestartWithUnchangedArchivesImportsNothing(t *testing.T) {
+	n := newNode(t)
+	state := filepath.Join(t.TempDir(), "state", "state.json")
+	for _, c := range everyFormat()[:6] {
+		writeArchive(t, n.imagesDir, c)
+	}
+	first := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: state})
+	if err := first.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := os.Stat(state); err != nil || info.Mode().Perm() != 0o600 {
+		t.Fatalf("state file: %v, mode %v; want 0600", err, info)
+	}
+	// k3s restarts clear the pins of what it imported: strip every pin, then restart the agent.
+	all, _ := n.client.ImageService().List(n.ctx)
+	for _, img := range all {
+		if pinning.IsPinned(img.Labels) {
+			n.setLabel(img.Name, pinning.LabelPinned, "")
+		}
+	}
+	for name, corrupt := range map[string]bool{"restart": false, "restart with a corrupt state file": true} {
+		if corrupt {
+			os.WriteFile(state, []byte("{not json"), 0o600)
+		}
+		report := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
+		if err := report.Err(); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		imports := 0
+		for _, a := range report.Archives {
+			if a.Imported {
+				imports++
+			}
+			for _, r := range a.Refs {
+				if !n.pinnedLabel(r.Ref) {
+					t.Errorf("%s: %s not pinned", name, r.Ref)
+				}
+			}
+		}
+		if imports != 0 {
+			t.Errorf("%s: %d archives imported again, want 0", name, imports)
+		}
+	}
+}
+
+func TestRunReconnectsAfterContainerdRestart(t *testing.T) {
+	n := newNode(t)
+	ref := "acc.example/app:1.0"
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{ref}})
+	n.runAgent("", ref)
+	if err := n.daemon.Restart(n.ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Protection resumes within 10 s of containerd coming back.
+	n.await(10*time.Second, "label stripped after the restart is re-pinned", func() bool {
+		img, err := n.client.ImageService().Get(n.ctx, ref)
+		if err != nil {
+			return false
+		}
+		if pinning.IsPinned(img.Labels) {
+			n.setLabel(ref, pinning.LabelPinned, "")
+			time.Sleep(300 * time.Millisecond)
+			return n.pinnedLabel(ref)
+		}
+		return false
+	})
+}
+
+func TestUnwritableStateKeepsProtectingFromMemory(t *testing.T) {
+	n := newNode(t)
+	notADir := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(notADir, nil, 0o600)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: filepath.Join(notADir, "state.json")})
+	if err := a.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !n.pinnedLabel("acc.example/app:1.0") {
+		t.Error("not pinned when the state cannot be written")
+	}
+	if v := a.View(); !strings.Contains(v.StateError, "state") {
+		t.Errorf("agent view does not report the state error: %+v", v)
+	}
+}

@@ -1,0 +1,155 @@
+package images
+
+import (
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/opencontainers/go-digest"
+)
+
+// DefaultStateFile is outside the images dir: k3s must not try to load it as an archive.
+const DefaultStateFile = "/var/lib/rancher/k3s/agent/k3s-pinning/state.json"
+
+const stateVersion = 1
+
+// State is what the agent knows between restarts: per archive, its identity and what it provided,
+// and the agent's own view for `status` and `doctor`. Losing it costs a re-index, never a pin:
+// pins live in containerd.
+type State struct {
+	Version  int                      `json:"version"`
+	Archives map[string]*ArchiveState `json:"archives"` // by file name
+	Agent    AgentView                `json:"agent"`
+}
+
+// ArchiveState is one archive as last loaded.
+type ArchiveState struct {
+	Size    int64          `json:"size"`
+	ModTime time.Time      `json:"modTime"`
+	Digest  digest.Digest  `json:"digest"` // sha256 of the file, computed only when size or mtime change
+	Format  Format         `json:"format"`
+	Images  []IndexedImage `json:"images"`
+	// Refs are every reference loaded from the archive (tags, repo@digest, retags) and the digest
+	// each pointed at: what a restore must bring back, and what is unpinned when the archive goes.
+	Refs map[string]digest.Digest `json:"refs"`
+}
+
+// AgentView is the running agent's view, written with the state so that `status` and `doctor`,
+// run as other processes, can show it.
+type AgentView struct {
+	LastReconcile   time.Time         `json:"lastReconcile"`
+	RestoresDone    int               `json:"restoresDone"`
+	RestoresFailed  int               `json:"restoresFailed"`
+	RestoresPending []string          `json:"restoresPending"` // references waiting to be restored
+	WaitingForDisk  []string          `json:"waitingForDisk"`  // pending because the disk is full
+	ArchiveErrors   map[string]string `json:"archiveErrors"`   // file -> error
+	StateError      string            `json:"stateError,omitempty"`
+}
+
+func newState() *State { return &State{Version: stateVersion, Archives: map[string]*ArchiveState{}} }
+
+// LoadState reads path. A missing file is an empty state; a corrupt or foreign one is an empty
+// state and an error to log: the next sync re-indexes, and every pin is still in containerd.
+func LoadState(path string) (*State, error) {
+	data, err := os.ReadFile(path)
+	if os.IsNotExist(err) {
+		return newState(), nil
+	}
+	if err != nil {
+		return newState(), fmt.Errorf("state %s: %w", path, err)
+	}
+	s := newState()
+	if err := json.Unmarshal(data, s); err != nil || s.Version != stateVersion {
+		if err == nil {
+			err = fmt.Errorf("version %d, want %d", s.Version, stateVersion)
+		}
+		return newState(), fmt.Errorf("state %s unreadable, re-indexing: %w", path, err)
+	}
+	if s.Archives == nil {
+		s.Archives = map[string]*ArchiveState{}
+	}
+	return s, nil
+}
+
+// Save writes the state atomically (temp file, fsync, rename) with mode 0600. On a full or
+// read-only disk it fails and leaves the previous file whole; the caller keeps the state in memory.
+func (s *State) Save(path string) error {
+	data, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return err
+	}
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("state dir %s: %w", dir, err)
+	}
+	tmp, err := os.CreateTemp(dir, ".state-*.json")
+	if err != nil {
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	defer os.Remove(tmp.Name())
+	if err := tmp.Chmod(0o600); err != nil {
+		tmp.Close()
+		return err
+	}
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	if err := os.Rename(tmp.Name(), path); err != nil {
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	if d, err := os.Open(dir); err == nil {
+		d.Sync()
+		d.Close()
+	}
+	return nil
+}
+
+// unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), so
+// that a restart does not read, hash or import it.
+func (as *ArchiveState) unchanged(ar Archive) bool {
+	return as != nil && as.Size == ar.Size && as.ModTime.Equal(ar.ModTime)
+}
+
+// index is the recorded index of the archive, as ReadIndex would return it.
+func (as *ArchiveState) index(ar Archive) *Index {
+	return &Index{Archive: ar, Format: as.Format, Images: as.Images}
+}
+
+func fileDigest(path string) (digest.Digest, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return digest.NewDigest(digest.SHA256, h), nil
+}
+
+// sortedKeys lists a set's keys in order, for stable output.
+func sortedKeys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+var errNoState = errors.New("no state file configured")
