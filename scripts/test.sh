@@ -13,9 +13,9 @@ go vet ./...
 (cd test/kubelet && go vet ./...)
 
 echo "== module github.com/k3s-pinning/k3s-pinning"
-go test -count=1 ./...
+go test -count=1 -timeout 20m ./...
 echo "== module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes))"
-(cd test/kubelet && go test -count=1 ./...)
+(cd test/kubelet && go test -count=1 -timeout 20m ./...)
 
 # Nothing we started may outlive the tests.
 if pgrep -f 'k3s-pinning/containerd-.*/containerd --config' >/dev/null; then

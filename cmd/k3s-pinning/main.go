@@ -9,8 +9,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -142,7 +144,11 @@ func newApp(stdout io.Writer) *cli.App {
 						for _, r := range snap.Refs {
 							fmt.Fprintf(tw, "%s\t%s\t%s\t%t\t%t\t%t\n", r.Ref, shortDigest(r.Digest), dash(r.Source), r.Pinned, r.Wanted, r.Present)
 						}
-						return tw.Flush()
+						if err := tw.Flush(); err != nil {
+							return err
+						}
+						printAgentView(stdout, snap.Agent)
+						return nil
 					})
 				},
 			},
@@ -156,6 +162,7 @@ func newApp(stdout io.Writer) *cli.App {
 						if err != nil {
 							return err
 						}
+						printAgentView(stdout, snap.Agent)
 						findings := snap.Findings()
 						for _, f := range findings {
 							fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)
@@ -279,6 +286,22 @@ func printSync(w io.Writer, r *images.SyncReport) {
 	}
 	if r.PolicyErr != nil {
 		fmt.Fprintf(w, "policy: FAILED: %v\n", r.PolicyErr)
+	}
+}
+
+// printAgentView shows what the running agent (`run`) last recorded in the state file.
+func printAgentView(w io.Writer, v images.AgentView) {
+	if v.LastReconcile.IsZero() {
+		fmt.Fprintln(w, "agent: no reconcile recorded in the state file")
+		return
+	}
+	fmt.Fprintf(w, "agent: last reconcile %s; restores done %d, failed %d, pending %d, waiting for disk %d; archives failing %d\n",
+		v.LastReconcile.Format(time.RFC3339), v.RestoresDone, v.RestoresFailed, len(v.RestoresPending), len(v.WaitingForDisk), len(v.ArchiveErrors))
+	for _, name := range slices.Sorted(maps.Keys(v.ArchiveErrors)) {
+		fmt.Fprintf(w, "agent: archive %s: %s\n", name, v.ArchiveErrors[name])
+	}
+	if v.StateError != "" {
+		fmt.Fprintf(w, "agent: state file not written: %s\n", v.StateError)
 	}
 }
 

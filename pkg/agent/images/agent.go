@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
@@ -116,7 +118,7 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 		seen[ar.Name()] = true
 		report.Archives = append(report.Archives, a.syncArchive(ctx, ar))
 	}
-	for _, name := range sortedKeys(a.state.Archives) {
+	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
 		if !seen[name] {
 			logrus.Infof("%s left the images dir: unpinning what only it wanted", name)
 			old := a.state.Archives[name]

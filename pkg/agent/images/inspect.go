@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 
@@ -26,7 +28,9 @@ type Snapshot struct {
 	Refs          []RefStatus
 	ArchiveErrors []error
 	Misspelled    []Misspelling
-	wanted        *wantedSet
+	// Agent is the view of the running agent, from the state file (zero when none ran).
+	Agent  AgentView
+	wanted *wantedSet
 }
 
 // Misspelling is a label on a reference that looks like a pin but that the CRI ignores.
@@ -50,7 +54,8 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 			indexes = append(indexes, idx)
 		}
 	}
-	snap.wanted = newWantedSet(indexes, a.cfg.Policy, a.cfg.ExtraRegistries)
+	snap.wanted = newWantedSet(indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
+	snap.Agent = a.state.Agent
 
 	all, err := a.client.ImageService().List(ctx)
 	if err != nil {
@@ -74,15 +79,22 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 			snap.Misspelled = append(snap.Misspelled, Misspelling{Ref: img.Name, Label: m})
 		}
 	}
-	for _, idx := range indexes {
-		for _, img := range idx.Images {
-			if present[img.Ref] {
-				continue
-			}
-			present[img.Ref] = true
-			dgst := img.Digest.String()
-			snap.Refs = append(snap.Refs, RefStatus{Ref: img.Ref, Digest: dgst, Source: snap.wanted.refs[img.Ref], Wanted: true})
+	for _, ref := range slices.Sorted(maps.Keys(snap.wanted.refs)) {
+		if present[ref] {
+			continue
 		}
+		dgst := ""
+		if rec := a.state.Archives[snap.wanted.refs[ref]]; rec != nil {
+			dgst = rec.Refs[ref].String()
+		}
+		for _, idx := range indexes {
+			for _, img := range idx.Images {
+				if img.Ref == ref && img.Digest != "" {
+					dgst = img.Digest.String()
+				}
+			}
+		}
+		snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: dgst, Source: snap.wanted.refs[ref], Wanted: true})
 	}
 	sort.Slice(snap.Refs, func(i, j int) bool { return snap.Refs[i].Ref < snap.Refs[j].Ref })
 	return snap, nil
@@ -125,6 +137,14 @@ func (s *Snapshot) Findings() []Finding {
 			out = append(out, Finding{Subject: r.Ref, Problem: fmt.Sprintf("wanted (%s) but not pinned: the kubelet may delete it under disk pressure", r.Source),
 				Fix: "run `k3s-pinning sync`"})
 		}
+	}
+	for _, ref := range s.Agent.WaitingForDisk {
+		out = append(out, Finding{Subject: ref, Problem: "restore waiting: the disk holding containerd's root is full",
+			Fix: "free space on the image filesystem; the agent retries with backoff and restores it"})
+	}
+	if s.Agent.StateError != "" {
+		out = append(out, Finding{Subject: "state file", Problem: "cannot be written: " + s.Agent.StateError,
+			Fix: "make the state dir writable or free space; until then the agent protects from memory and re-indexes at restart"})
 	}
 	for _, m := range s.Misspelled {
 		out = append(out, Finding{Subject: m.Ref, Problem: "misspelled pin label " + m.Label + ": the image is not protected by it",

@@ -3,6 +3,8 @@ package images
 import (
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/distribution/reference"
+	"maps"
+	"slices"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -15,8 +17,23 @@ type wantedSet struct {
 	policy   *pinning.Policy
 }
 
-func newWantedSet(indexes []*Index, policy *pinning.Policy, extraRegistries []string) *wantedSet {
+func newWantedSet(indexes []*Index, state *State, policy *pinning.Policy, extraRegistries []string) *wantedSet {
 	w := &wantedSet{refs: map[string]string{}, archives: map[string]bool{}, policy: policy}
+	// What the archives provided when last loaded (digest references of docker archives are known
+	// only after import), as long as the archive is still in the images dir.
+	present := map[string]bool{}
+	for _, idx := range indexes {
+		present[idx.Archive.Name()] = true
+	}
+	for _, name := range slices.Sorted(maps.Keys(state.Archives)) {
+		if present[name] {
+			for ref := range state.Archives[name].Refs {
+				if _, taken := w.refs[ref]; !taken {
+					w.refs[ref] = name
+				}
+			}
+		}
+	}
 	for _, idx := range indexes {
 		w.archives[idx.Archive.Name()] = true
 		for _, img := range idx.Images {

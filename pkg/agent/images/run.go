@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -140,7 +142,7 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 
 // archiveOf names the archive that provided ref, or "".
 func (a *Agent) archiveOf(ref string) string {
-	for _, name := range sortedKeys(a.state.Archives) {
+	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
 		if _, ok := a.state.Archives[name].Refs[ref]; ok {
 			return name
 		}
@@ -154,7 +156,7 @@ func (a *Agent) archiveOf(ref string) string {
 func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore) time.Duration {
 	now := time.Now()
 	var next time.Duration
-	for _, name := range sortedKeys(pending) {
+	for _, name := range slices.Sorted(maps.Keys(pending)) {
 		p := pending[name]
 		if wait := p.retryAt.Sub(now); wait > 0 {
 			if next == 0 || wait < next {

@@ -3,12 +3,10 @@ package images
 import (
 	"crypto/sha256"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
-	"sort"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -141,15 +139,3 @@ func fileDigest(path string) (digest.Digest, error) {
 	}
 	return digest.NewDigest(digest.SHA256, h), nil
 }
-
-// sortedKeys lists a set's keys in order, for stable output.
-func sortedKeys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
-}
-
-var errNoState = errors.New("no state file configured")

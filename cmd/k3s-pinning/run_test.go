@@ -1,0 +1,87 @@
+package main_test
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+)
+
+// TestRunDaemon runs `k3s-pinning run` as systemd would: metrics on loopback, the agent's view in
+// `status` and `doctor` from the state file, and a clean exit 0 on SIGTERM.
+func TestRunDaemon(t *testing.T) {
+	d := containerdtest.New(t, containerdtest.Options{})
+	imagesDir := t.TempDir()
+	img, _ := imagetest.Image(32<<10, imagetest.Amd64)
+	if err := imagetest.WriteDocker(filepath.Join(imagesDir, "app.tar"), map[string]v1.Image{"acc.example/app:1.0": img}); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	state := filepath.Join(t.TempDir(), "state.json")
+	common := []string{"--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", state}
+
+	var stderr bytes.Buffer
+	cmd := exec.Command(binary, append([]string{"run", "--metrics-address", ":" + strconv.Itoa(port)}, common...)...)
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	var waitErr error
+	go func() { waitErr = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-exited
+	})
+
+	var metrics string
+	deadline := time.Now().Add(15 * time.Second)
+	for !strings.Contains(metrics, "k3s_pinning_pinned_references 2") {
+		if time.Now().After(deadline) {
+			t.Fatalf("metrics never showed 2 pinned references:\n%s\nstderr:\n%s", metrics, stderr.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+		if resp, err := http.Get("http://127.0.0.1:" + strconv.Itoa(port) + "/metrics"); err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			metrics = string(b)
+		}
+	}
+	for _, want := range []string{"k3s_pinning_wanted_references 2", "k3s_pinning_missing_references 0", "k3s_pinning_reconcile_seconds_count"} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+
+	out, _, code := run(t, append([]string{"status"}, common...)...)
+	if code != 0 || !strings.Contains(out, "agent: last reconcile") {
+		t.Errorf("status does not show the agent's view (exit %d):\n%s", code, out)
+	}
+
+	cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-exited:
+		if waitErr != nil {
+			t.Errorf("run exited with %v after SIGTERM, want 0\n%s", waitErr, stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not exit within 10 s of SIGTERM")
+	}
+}
