@@ -148,13 +148,8 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
 	old := a.state.Archives[ar.Name()]
-	var (
-		idx *Index
-		err error
-	)
-	if old.unchanged(ar) {
-		idx = old.index(ar) // a restart: no read, no hash, no import unless something is missing
-	} else if idx, err = ReadIndex(ar); idx == nil {
+	idx, err := a.index(ar)
+	if idx == nil {
 		rep.Err = err
 		logrus.Errorf("%v", err)
 		return rep // the old record and its pins stay: a broken file never unpins anything
@@ -177,6 +172,15 @@ func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
 	}
 	return rep
+}
+
+// index is what ar provides: from the state when its size and mtime are as recorded (a restart
+// reads, hashes and imports nothing), else read from the file.
+func (a *Agent) index(ar Archive) (*Index, error) {
+	if rec := a.state.Archives[ar.Name()]; rec.unchanged(ar) {
+		return rec.index(ar), nil
+	}
+	return ReadIndex(ar)
 }
 
 // record stores what ar provided, and unpins what its previous content provided and it no longer

@@ -185,6 +185,8 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			p.retryAt, p.noSpace = time.Now().Add(p.backoff), isNoSpace(err)
 			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
 			p.backoff = min(2*p.backoff, retryMax)
+			a.updateView(pending)
+			a.saveState() // status and doctor, in other processes, show what is waiting
 			if next == 0 || p.backoff < next {
 				next = p.backoff
 			}

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -256,19 +257,44 @@ func TestRunReconnectsAfterContainerdRestart(t *testing.T) {
 	})
 }
 
+// mountTmpfs mounts a small tmpfs at a new dir, unmounted when the test ends.
+func mountTmpfs(t *testing.T, opts string) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, opts); err != nil {
+		t.Fatalf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
+	return dir
+}
+
 func TestUnwritableStateKeepsProtectingFromMemory(t *testing.T) {
 	n := newNode(t)
-	notADir := filepath.Join(t.TempDir(), "file")
-	os.WriteFile(notADir, nil, 0o600)
-	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
-	a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: filepath.Join(notADir, "state.json")})
-	if err := a.Sync(n.ctx).Err(); err != nil {
-		t.Fatal(err)
+	full := mountTmpfs(t, "size=16k")
+	filler, _ := os.Create(filepath.Join(full, "filler"))
+	for {
+		if _, err := filler.Write(make([]byte, 4096)); err != nil {
+			break // ENOSPC: the disk is full, as when the kubelet is collecting images
+		}
 	}
-	if !n.pinnedLabel("acc.example/app:1.0") {
-		t.Error("not pinned when the state cannot be written")
+	filler.Close()
+	readOnly := mountTmpfs(t, "size=16k")
+	if err := syscall.Mount("", readOnly, "", syscall.MS_REMOUNT|syscall.MS_RDONLY, ""); err != nil {
+		t.Fatalf("remount read-only: %v", err)
 	}
-	if v := a.View(); !strings.Contains(v.StateError, "state") {
-		t.Errorf("agent view does not report the state error: %+v", v)
+	for name, dir := range map[string]string{"full": full, "read-only": readOnly} {
+		ref := "acc.example/" + name + ":1.0"
+		writeArchive(t, n.imagesDir, archiveCase{file: name + ".tar", refs: []string{ref}})
+		a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: filepath.Join(dir, "state.json")})
+		if err := a.Sync(n.ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if !n.pinnedLabel(ref) {
+			t.Errorf("%s state dir: %s not pinned", name, ref)
+		}
+		want := map[string]string{"full": "no space left", "read-only": "read-only file system"}[name]
+		if v := a.View(); !strings.Contains(v.StateError, want) {
+			t.Errorf("%s state dir: agent view reports %q, want it to say %q", name, v.StateError, want)
+		}
 	}
 }
