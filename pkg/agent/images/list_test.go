@@ -7,10 +7,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/registry"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -62,5 +64,33 @@ func TestListIsPulledThroughCRIAndPinned(t *testing.T) {
 		if src := n.labels(r)[pinning.LabelSource]; src != "images.txt" {
 			t.Errorf("%s: source %q, want images.txt", r, src)
 		}
+	}
+}
+
+// TestRunRestoresListEntryByPulling: a wanted .txt reference deleted through the CRI is pulled again.
+func TestRunRestoresListEntryByPulling(t *testing.T) {
+	n := newNode(t)
+	reg := httptest.NewServer(registry.New())
+	t.Cleanup(reg.Close)
+	ref := strings.TrimPrefix(reg.URL, "http://") + "/team/listed:1.0"
+	img, err := imagetest.Image(32<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag, _ := name.NewTag(ref, name.Insecure)
+	if err := remote.Write(tag, img); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "pull.txt"), []byte(ref+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	n.runAgent("", ref)
+	want := n.target(ref)
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: ref}}); err != nil {
+		t.Fatal(err)
+	}
+	n.await(5*time.Second, ref+" pulled again after CRI RemoveImage", func() bool { return n.pinnedLabel(ref) })
+	if got := n.target(ref); got != want {
+		t.Errorf("pulled digest %s, recorded %s", got, want)
 	}
 }
