@@ -86,6 +86,23 @@ func (p *Pinner) Unpin(ctx context.Context, name string) error {
 	return nil
 }
 
+// Transfer records to as the owner of our pin on name, when from owns it now: the pin stays, only
+// who wants it changes (an archive left, another still provides the image).
+func (p *Pinner) Transfer(ctx context.Context, name, from, to string) error {
+	img, err := p.store.Get(ctx, name)
+	if err != nil {
+		return fmt.Errorf("transfer %s: %w", name, err)
+	}
+	if src, ours := OwnPin(img.Labels); !ours || src != from {
+		return fmt.Errorf("transfer %s: pin is not %s's", name, from)
+	}
+	update := images.Image{Name: name, Labels: map[string]string{LabelSource: to}}
+	if _, err := p.store.Update(ctx, update, "labels."+LabelSource); err != nil {
+		return fmt.Errorf("transfer %s: %w", name, err)
+	}
+	return nil
+}
+
 // PinPolicy pins every image in the store that policy wants and that is not pinned yet, and
 // returns the references it pinned. An error on one reference does not stop the others.
 func (p *Pinner) PinPolicy(ctx context.Context, policy *Policy) (pinned []string, err error) {

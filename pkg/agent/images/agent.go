@@ -133,7 +133,7 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	if report.PolicyErr != nil {
 		logrus.Errorf("policy: %v", report.PolicyErr)
 	}
-	a.observeReferences(ctx)
+	observeReferences(report)
 	a.state.Agent.LastReconcile = time.Now()
 	a.state.Agent.ArchiveErrors = map[string]string{}
 	for _, ar := range report.Archives {
@@ -148,7 +148,7 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
 	old := a.state.Archives[ar.Name()]
-	idx, err := a.index(ar)
+	idx, fileDigest, err := a.index(ar)
 	if idx == nil {
 		rep.Err = err
 		logrus.Errorf("%v", err)
@@ -157,7 +157,7 @@ func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	rep.Format = idx.Format
 	refs, imported, loadErr := a.importer.Load(ctx, idx)
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(err, loadErr)
-	a.record(ctx, ar, idx, old, refs)
+	a.record(ctx, ar, idx, fileDigest, old, refs)
 	for _, r := range refs {
 		switch {
 		case r.Err != nil:
@@ -174,24 +174,30 @@ func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 	return rep
 }
 
-// index is what ar provides: from the state when its size and mtime are as recorded (a restart
-// reads, hashes and imports nothing), else read from the file.
-func (a *Agent) index(ar Archive) (*Index, error) {
-	if rec := a.state.Archives[ar.Name()]; rec.unchanged(ar) {
-		return rec.index(ar), nil
+// index is what ar provides, and the digest of the file. With the recorded size and mtime it
+// comes from the state: a restart reads, hashes and imports nothing. Otherwise the file is
+// hashed, and if only its mtime moved (`touch`, the usual nudge for k3s issue 2961) the recorded
+// index still stands; only new content is read.
+func (a *Agent) index(ar Archive) (*Index, digest.Digest, error) {
+	rec := a.state.Archives[ar.Name()]
+	if rec.unchanged(ar) {
+		return rec.index(ar), rec.Digest, nil
 	}
-	return ReadIndex(ar)
+	d, err := fileDigest(ar.Path)
+	if err != nil {
+		return nil, "", &ArchiveError{Path: ar.Path, Err: err}
+	}
+	if rec != nil && rec.Digest == d {
+		return rec.index(ar), d, nil
+	}
+	idx, err := ReadIndex(ar)
+	return idx, d, err
 }
 
 // record stores what ar provided, and unpins what its previous content provided and it no longer
 // does (an archive replaced under the same name).
-func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, old *ArchiveState, refs []RefResult) {
-	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Format: idx.Format, Refs: map[string]digest.Digest{}}
-	if old.unchanged(ar) {
-		rec.Digest = old.Digest
-	} else if d, err := fileDigest(ar.Path); err == nil {
-		rec.Digest = d
-	}
+func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, fileDigest digest.Digest, old *ArchiveState, refs []RefResult) {
+	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Digest: fileDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
 	for _, r := range refs {
 		if r.Err == nil && r.Digest != "" {
 			rec.Refs[r.Ref] = digest.Digest(r.Digest)
@@ -216,37 +222,41 @@ func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, old *Archive
 	}
 }
 
-// release unpins the references source had and no longer has (keep), unless another archive or the
-// policy still wants them. Only pins recorded as source's are removed; the images stay, for the
-// kubelet to collect when it needs the space.
+// release gives up what source pinned and no longer provides (keep), after source's own record
+// was updated or removed. A pin recorded as source's passes to the next archive that provides the
+// reference, or to the policy; with neither, it is removed. The images stay, for the kubelet to
+// collect when it needs the space; a pin recorded as anyone else's is not touched.
 func (a *Agent) release(ctx context.Context, source string, had, keep map[string]digest.Digest) {
 	store := a.client.ImageService()
 	for ref := range had {
-		if _, ok := keep[ref]; ok || a.wantedElsewhere(ref, source) {
+		if _, ok := keep[ref]; ok {
 			continue
 		}
 		img, err := store.Get(ctx, ref)
 		if err != nil {
 			continue // gone already
 		}
-		if src, ours := pinning.OwnPin(img.Labels); !ours || src != source || a.cfg.Policy.Wants(img) {
+		if src, ours := pinning.OwnPin(img.Labels); !ours || src != source {
 			continue
 		}
-		if err := a.pinner.Unpin(ctx, ref); err != nil {
-			logrus.Errorf("unpin %s: %v", ref, err)
-			continue
+		heir := a.archiveOf(ref)
+		if heir == "" && a.cfg.Policy.Wants(img) {
+			heir = pinning.SourcePolicy
 		}
-		logrus.Infof("unpinned %s: %s no longer provides it", ref, source)
-	}
-}
-
-func (a *Agent) wantedElsewhere(ref, source string) bool {
-	for name, rec := range a.state.Archives {
-		if _, ok := rec.Refs[ref]; ok && name != source {
-			return true
+		if heir != "" {
+			err = a.pinner.Transfer(ctx, ref, source, heir)
+		} else {
+			err = a.pinner.Unpin(ctx, ref)
+		}
+		switch {
+		case err != nil:
+			logrus.Errorf("release %s from %s: %v", ref, source, err)
+		case heir != "":
+			logrus.Infof("%s: %s no longer provides it; %s still wants it", ref, source, heir)
+		default:
+			logrus.Infof("unpinned %s: %s no longer provides it", ref, source)
 		}
 	}
-	return false
 }
 
 // View is the agent's own view (last reconcile, restores, failures). Not safe while Run runs:

@@ -4,6 +4,7 @@
 package images
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -70,23 +71,36 @@ func Scan(dir string) ([]Archive, []error) {
 		if strings.HasPrefix(name, ".") {
 			continue
 		}
-		info, err := os.Stat(path) // follows symlinks, as k3s does when it opens them
+		ar, err := archiveAt(path)
+		if errors.Is(err, errIsDir) {
+			continue
+		}
 		if err != nil {
-			errs = append(errs, &ArchiveError{Path: path, Err: err})
+			errs = append(errs, err)
 			continue
 		}
-		if info.IsDir() {
-			continue
-		}
-		if !supported(name) {
-			errs = append(errs, &ArchiveError{Path: path, Err: fmt.Errorf("unsupported file type; k3s loads %s",
-				strings.Join(SupportedExtensions, " "))})
-			continue
-		}
-		archives = append(archives, Archive{Path: path, Size: info.Size(), ModTime: info.ModTime()})
+		archives = append(archives, ar)
 	}
 	sort.Slice(archives, func(i, j int) bool { return archives[i].Path < archives[j].Path })
 	return archives, errs
+}
+
+var errIsDir = errors.New("is a directory")
+
+// archiveAt is the archive at path, following symlinks as k3s does when it opens them.
+func archiveAt(path string) (Archive, error) {
+	info, err := os.Stat(path)
+	if err != nil {
+		return Archive{}, &ArchiveError{Path: path, Err: err}
+	}
+	if info.IsDir() {
+		return Archive{}, errIsDir
+	}
+	if !supported(path) {
+		return Archive{}, &ArchiveError{Path: path, Err: fmt.Errorf("unsupported file type; k3s loads %s",
+			strings.Join(SupportedExtensions, " "))}
+	}
+	return Archive{Path: path, Size: info.Size(), ModTime: info.ModTime()}, nil
 }
 
 func supported(name string) bool {

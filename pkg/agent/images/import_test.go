@@ -324,3 +324,65 @@ func TestAirgapExtraRegistryRetags(t *testing.T) {
 		t.Errorf("retag: present=%t pinned=%t", present, pinned)
 	}
 }
+
+// TestSharedReferencePassesToTheNextArchive: two archives provide the same image. The pin records
+// the first by name; when it leaves, the pin passes to the second, and when that leaves too, the
+// pin goes. No pin is left behind owned by an archive that is gone.
+func TestSharedReferencePassesToTheNextArchive(t *testing.T) {
+	n := newNode(t)
+	img, err := imagetest.Image(32<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := "acc.example/shared:1.0"
+	for _, f := range []string{"a.tar", "b.tar.gz"} {
+		if err := imagetest.WriteDocker(filepath.Join(n.imagesDir, f), map[string]v1.Image{ref: img}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir})
+	sync := func() {
+		t.Helper()
+		if err := a.Sync(n.ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sync()
+	if src := n.labels(ref)[pinning.LabelSource]; src != "a.tar" {
+		t.Fatalf("source %q, want a.tar (first by name)", src)
+	}
+	os.Remove(filepath.Join(n.imagesDir, "a.tar"))
+	sync()
+	if l := n.labels(ref); !pinning.IsPinned(l) || l[pinning.LabelSource] != "b.tar.gz" {
+		t.Errorf("after a.tar left: labels %v, want pinned for b.tar.gz", l)
+	}
+	os.Remove(filepath.Join(n.imagesDir, "b.tar.gz"))
+	sync()
+	if l := n.labels(ref); pinning.IsPinned(l) || l[pinning.LabelSource] != "" {
+		t.Errorf("after both left: labels %v, want no pin of ours", l)
+	}
+}
+
+// TestTouchedArchiveIsNotImportedAgain: `touch` on an archive (what users do to make k3s look at
+// it again) changes its mtime only; the agent sees the same content and changes nothing.
+func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar.zst", refs: []string{"acc.example/app:1.0"}})
+	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir})
+	if err := a.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	later := time.Now().Add(time.Hour)
+	if err := os.Chtimes(filepath.Join(n.imagesDir, "app.tar.zst"), later, later); err != nil {
+		t.Fatal(err)
+	}
+	report := a.Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range report.Archives[0].Refs {
+		if report.Archives[0].Imported || r.Result != pinning.AlreadyOurs {
+			t.Errorf("touched archive: imported=%t, %s %s", report.Archives[0].Imported, r.Ref, r.Result)
+		}
+	}
+}

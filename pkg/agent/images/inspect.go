@@ -46,7 +46,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	snap.ArchiveErrors = errs
 	var indexes []*Index
 	for _, ar := range archives {
-		idx, err := a.index(ar)
+		idx, _, err := a.index(ar)
 		if err != nil {
 			snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(err)...)
 		}

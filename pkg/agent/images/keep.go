@@ -1,10 +1,11 @@
 package images
 
 import (
-	"github.com/containerd/containerd/v2/core/images"
-	"github.com/distribution/reference"
 	"maps"
 	"slices"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/distribution/reference"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -21,12 +22,11 @@ func newWantedSet(indexes []*Index, state *State, policy *pinning.Policy, extraR
 	w := &wantedSet{refs: map[string]string{}, archives: map[string]bool{}, policy: policy}
 	// What the archives provided when last loaded (digest references of docker archives are known
 	// only after import), as long as the archive is still in the images dir.
-	present := map[string]bool{}
 	for _, idx := range indexes {
-		present[idx.Archive.Name()] = true
+		w.archives[idx.Archive.Name()] = true
 	}
 	for _, name := range slices.Sorted(maps.Keys(state.Archives)) {
-		if present[name] {
+		if w.archives[name] {
 			for ref := range state.Archives[name].Refs {
 				if _, taken := w.refs[ref]; !taken {
 					w.refs[ref] = name
@@ -35,7 +35,6 @@ func newWantedSet(indexes []*Index, state *State, policy *pinning.Policy, extraR
 		}
 	}
 	for _, idx := range indexes {
-		w.archives[idx.Archive.Name()] = true
 		for _, img := range idx.Images {
 			for _, r := range References(img.Ref, img.Digest, extraRegistries) {
 				if _, taken := w.refs[r]; !taken { // archives are read in name order: the first wins

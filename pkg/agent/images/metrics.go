@@ -7,12 +7,9 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/containerd/containerd/v2/core/images"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/sirupsen/logrus"
-
-	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
 // metrics are the agent's Prometheus metrics, in their own registry.
@@ -36,25 +33,21 @@ func init() {
 	metrics.registry.MustRegister(metrics.wanted, metrics.pinned, metrics.missing, metrics.repins, metrics.restores, metrics.reconcile)
 }
 
-// observeReferences sets the reference gauges from what the last sync found in containerd.
-func (a *Agent) observeReferences(ctx context.Context) {
-	store := a.client.ImageService()
-	var wanted, pinned, missing float64
-	for _, rec := range a.state.Archives {
-		for ref := range rec.Refs {
+// observeReferences sets the reference gauges from what a sync found: a reference loaded without
+// error is present and pinned (by us or its owner); one with an error is missing.
+func observeReferences(report *SyncReport) {
+	var wanted, pinned float64
+	for _, a := range report.Archives {
+		for _, r := range a.Refs {
 			wanted++
-			img, err := store.Get(ctx, ref)
-			switch {
-			case err != nil:
-				missing++
-			case pinning.IsPinned(img.Labels):
+			if r.Err == nil {
 				pinned++
 			}
 		}
 	}
 	metrics.wanted.Set(wanted)
 	metrics.pinned.Set(pinned)
-	metrics.missing.Set(missing)
+	metrics.missing.Set(wanted - pinned)
 }
 
 // ServeMetrics serves /metrics on addr until ctx ends. A bare port listens on 127.0.0.1 only:
@@ -79,9 +72,4 @@ func ServeMetrics(ctx context.Context, addr string) error {
 		return err
 	}
 	return nil
-}
-
-// imageNamed is the image record an event describes, for the policy.
-func imageNamed(name string, labels map[string]string) images.Image {
-	return images.Image{Name: name, Labels: labels}
 }

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
 	"time"
 
 	eventstypes "github.com/containerd/containerd/api/events"
+	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/typeurl/v2"
 	"github.com/fsnotify/fsnotify"
@@ -124,7 +126,7 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 		return
 	}
 	source := a.archiveOf(name)
-	if source == "" && a.cfg.Policy.Wants(imageNamed(name, labels)) {
+	if source == "" && a.cfg.Policy.Wants(images.Image{Name: name, Labels: labels}) {
 		source = pinning.SourcePolicy
 	}
 	if source == "" {
@@ -142,10 +144,8 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 
 // archiveOf names the archive that provided ref, or "".
 func (a *Agent) archiveOf(ref string) string {
-	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
-		if _, ok := a.state.Archives[name].Refs[ref]; ok {
-			return name
-		}
+	if p := a.state.providers(ref); len(p) > 0 {
+		return p[0]
 	}
 	return ""
 }
@@ -165,20 +165,14 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			continue
 		}
 		rec := a.state.Archives[name]
-		archives, _ := Scan(a.cfg.ImagesDir)
-		var ar *Archive
-		for i := range archives {
-			if archives[i].Name() == name {
-				ar = &archives[i]
-			}
-		}
-		if rec == nil || ar == nil {
+		ar, err := archiveAt(filepath.Join(a.cfg.ImagesDir, name))
+		if rec == nil || err != nil {
 			delete(pending, name) // the archive left: nothing to restore from
 			continue
 		}
 		recorded := rec.Refs
 		start := time.Now()
-		rep := a.syncArchive(ctx, *ar)
+		rep := a.syncArchive(ctx, ar)
 		if err := restoreError(rep, p.refs); err != nil {
 			metrics.restores.WithLabelValues("failed").Inc()
 			a.state.Agent.RestoresFailed++

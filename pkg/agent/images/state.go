@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -114,6 +116,18 @@ func (s *State) Save(path string) error {
 		d.Close()
 	}
 	return nil
+}
+
+// providers are the archives whose last load provided ref, in name order: the first is the one a
+// new pin records (first wins, deterministic).
+func (s *State) providers(ref string) []string {
+	var out []string
+	for _, name := range slices.Sorted(maps.Keys(s.Archives)) {
+		if _, ok := s.Archives[name].Refs[ref]; ok {
+			out = append(out, name)
+		}
+	}
+	return out
 }
 
 // unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), so

@@ -171,7 +171,7 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	case Eviction:
 		res.GCError = manager.DeleteUnusedImages(ctx)
 	default:
-		res.GCError = kubeletgc.GarbageCollect(ctx, manager)
+		res.GCError = manager.GarbageCollect(ctx, time.Now()) // one cycle of the periodic loop
 	}
 	klog.Flush()
 	sc := bufio.NewScanner(&gcLog)

@@ -6,8 +6,6 @@ package kubeletgc
 
 import (
 	"context"
-	"fmt"
-	"time"
 
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
@@ -134,14 +132,4 @@ func Policy() images.ImageGCPolicy {
 func NewManager(runtime *CRIRuntime, disk *DiskUsage, policy images.ImageGCPolicy) (images.ImageGCManager, error) {
 	node := &v1.ObjectReference{Kind: "Node", Name: "k3s-pinning-test", UID: "k3s-pinning-test"}
 	return images.NewImageGCManager(runtime, disk, nil, record.NewFakeRecorder(100), node, policy, noop.NewTracerProvider())
-}
-
-// GarbageCollect runs one threshold GC cycle, as the kubelet's periodic loop does. The GC returns
-// an error when it cannot free as much as asked; what it deleted stays deleted, so callers judge
-// by what is left in containerd.
-func GarbageCollect(ctx context.Context, m images.ImageGCManager) error {
-	if err := m.GarbageCollect(ctx, time.Now()); err != nil {
-		return fmt.Errorf("kubelet image GC: %w", err)
-	}
-	return nil
 }
