@@ -3,16 +3,21 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet
+.PHONY: demo test unit build vet patches-check
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
 demo:
-	cd test/kubelet && $(GO) run ./cmd/demo
+	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/demo
 
 ## test: every test, including those against a real containerd and the real kubelet GC code (root)
 test:
 	bash scripts/test.sh
+
+## patches-check: apply patches/kubernetes to the newest served release of each kubernetes line
+## (1.34-1.37) in a vendor tree, build it, run the kubelet's pkg/kubelet/images tests and ours
+patches-check:
+	bash scripts/patches-check.sh
 
 ## unit: tests that need no root and no daemon
 unit:
@@ -24,4 +29,4 @@ build:
 
 vet:
 	$(GO) vet ./...
-	cd test/kubelet && $(GO) vet ./...
+	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) vet -mod=vendor ./...

@@ -110,7 +110,9 @@ func allExist(paths ...string) bool {
 func goCmd(dir string, args ...string) (string, error) {
 	cmd := exec.Command("go", args...)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	// The root module's own go.mod decides the versions: not a workspace or vendor tree the caller
+	// builds in (test/kubelet runs with GOWORK and -mod=vendor).
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off", "GOFLAGS=")
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {

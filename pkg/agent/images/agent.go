@@ -33,18 +33,31 @@ type Agent struct {
 	importer *Importer
 	pinner   *pinning.Pinner
 	state    *State
+	keeper   *Keeper
 }
 
 // NewAgent returns an Agent on client. The containerd namespace comes from each call's context.
 func NewAgent(client *containerd.Client, cfg Config) *Agent {
-	return &Agent{
+	a := &Agent{
 		client:   client,
 		cfg:      cfg,
 		importer: NewImporter(client, cfg.ExtraRegistries),
 		pinner:   pinning.NewPinner(client.ImageService()),
 		state:    loadState(cfg.StateFile),
+		keeper:   &Keeper{policy: cfg.Policy},
 	}
+	a.keeper.publishRecorded(a.state)
+	return a
 }
+
+// Keeper is the agent's keep-decision for the kubelet's image garbage collector, up to date with
+// its last reconcile. Programs that embed the kubelet register it as a GC filter:
+//
+//	keeper := agent.Keeper()
+//	images.RegisterGCFilter("k3s-pinning", func(img container.Image) bool {
+//		return keeper.Keep(img.ID, img.RepoTags, img.RepoDigests)
+//	})
+func (a *Agent) Keeper() *Keeper { return a.keeper }
 
 func loadState(path string) *State {
 	if path == "" {
@@ -77,6 +90,7 @@ type ArchiveReport struct {
 	Imported bool // content was imported (tarball) or pulled (list)
 	Refs     []RefResult
 	Err      error
+	index    *Index // what the archive provides; nil when it could not be read
 }
 
 // SyncReport is what Sync did.
@@ -114,9 +128,14 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 		logrus.Errorf("images dir: %v", err)
 	}
 	seen := map[string]bool{}
+	var indexes []*Index
 	for _, ar := range archives {
 		seen[ar.Name()] = true
-		report.Archives = append(report.Archives, a.syncArchive(ctx, ar))
+		rep := a.syncArchive(ctx, ar)
+		report.Archives = append(report.Archives, rep)
+		if rep.index != nil {
+			indexes = append(indexes, rep.index)
+		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
 		if !seen[name] {
@@ -134,6 +153,11 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 		logrus.Errorf("policy: %v", report.PolicyErr)
 	}
 	observeReferences(report)
+	if all, err := a.client.ImageService().List(ctx); err == nil {
+		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), all)
+	} else {
+		logrus.Errorf("list images for the kubelet's GC filter: %v; it keeps answering from the last reconcile", err)
+	}
 	a.state.Agent.LastReconcile = time.Now()
 	a.state.Agent.ArchiveErrors = map[string]string{}
 	for _, ar := range report.Archives {
@@ -154,7 +178,7 @@ func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
 		logrus.Errorf("%v", err)
 		return rep // the old record and its pins stay: a broken file never unpins anything
 	}
-	rep.Format = idx.Format
+	rep.Format, rep.index = idx.Format, idx
 	refs, imported, loadErr := a.importer.Load(ctx, idx)
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(err, loadErr)
 	a.record(ctx, ar, idx, fileDigest, old, refs)

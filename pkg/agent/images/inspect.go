@@ -45,7 +45,9 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	archives, errs := Scan(a.cfg.ImagesDir)
 	snap.ArchiveErrors = errs
 	var indexes []*Index
+	var inDir []string
 	for _, ar := range archives {
+		inDir = append(inDir, ar.Name())
 		idx, _, err := a.index(ar)
 		if err != nil {
 			snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(err)...)
@@ -54,7 +56,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 			indexes = append(indexes, idx)
 		}
 	}
-	snap.wanted = newWantedSet(indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
+	snap.wanted = newWantedSet(inDir, indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
 	snap.Agent = a.state.Agent
 
 	all, err := a.client.ImageService().List(ctx)

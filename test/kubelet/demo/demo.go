@@ -18,6 +18,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	cimages "github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"google.golang.org/grpc"
@@ -39,14 +40,34 @@ const (
 	Threshold GCPath = "threshold"
 	// Eviction is the eviction manager's DeleteUnusedImages under DiskPressure.
 	Eviction GCPath = "eviction"
+	// MaxAge is the periodic GC removing images unused for longer than imageMaximumGCAge, with
+	// the disk well under the threshold.
+	MaxAge GCPath = "max-age"
+)
+
+// GCPaths are every way the kubelet deletes images.
+var GCPaths = []GCPath{Threshold, Eviction, MaxAge}
+
+// Protection is what stands between the air-gap images and the kubelet's GC.
+type Protection string
+
+const (
+	// None: the archives are imported by hand with `ctr images import`, unpinned, and the kubelet
+	// is stock: the failure this project prevents.
+	None Protection = "none"
+	// CRIPins: the k3s-pinning agent loads the images dir (pinned at creation); stock kubelet.
+	CRIPins Protection = "cri-pins"
+	// FilterOnly: the agent loads the images dir, then every pin label is stripped (a runtime that
+	// lost them); only the kubelet GC filter of patches/kubernetes stands.
+	FilterOnly Protection = "filter-only"
+	// PinsAndFilter: the agent's pins and the GC filter, as in a patched k3s.
+	PinsAndFilter Protection = "pins+filter"
 )
 
 // Options choose the scenario.
 type Options struct {
-	// Agent: the images dir is loaded by the k3s-pinning agent. Without it the archives are
-	// imported by hand with `ctr images import`, unpinned: the failure this project prevents.
-	Agent bool
-	Path  GCPath
+	Protection Protection
+	Path       GCPath
 }
 
 // Row is one reference before and after the GC.
@@ -55,8 +76,8 @@ type Row struct {
 	From    string // the archive it came from, or "hand import"
 	Wanted  bool   // from the images dir: must survive
 	Pinned  bool   // CRI view before the GC
-	Before  bool
-	After   bool
+	Before  bool   // listed by the CRI before the GC
+	After   bool   // present in containerd after the GC
 	ImageID string
 }
 
@@ -125,19 +146,21 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	ctx = namespaces.WithNamespace(ctx, pinning.DefaultNamespace)
 
 	toImport := []string{handArchive}
-	if opts.Agent {
+	var agent *images.Agent
+	if opts.Protection == None {
+		fmt.Fprintf(log, "== control: archives imported by hand with `ctr images import`, no k3s-pinning\n")
+		for _, a := range archives {
+			toImport = append(toImport, filepath.Join(imagesDir, a.file))
+		}
+	} else {
 		fmt.Fprintf(log, "== k3s-pinning agent: sync %s\n", imagesDir)
-		report := images.NewAgent(client, images.Config{ImagesDir: imagesDir}).Sync(ctx)
+		agent = images.NewAgent(client, images.Config{ImagesDir: imagesDir})
+		report := agent.Sync(ctx)
 		for _, a := range report.Archives {
 			fmt.Fprintf(log, "   %-16s %-15s %d references, imported=%t\n", a.Archive.Name(), a.Format, len(a.Refs), a.Imported)
 		}
 		if err := report.Err(); err != nil {
 			return nil, err
-		}
-	} else {
-		fmt.Fprintf(log, "== control: archives imported by hand with `ctr images import`, no k3s-pinning\n")
-		for _, a := range archives {
-			toImport = append(toImport, filepath.Join(imagesDir, a.file))
 		}
 	}
 	for _, path := range toImport {
@@ -145,6 +168,16 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 		if err != nil {
 			return nil, fmt.Errorf("ctr images import %s: %v\n%s", path, err, out)
 		}
+	}
+	if opts.Protection == FilterOnly {
+		fmt.Fprintf(log, "== stripping every pin label: only the kubelet GC filter is left\n")
+		if err := stripPins(ctx, client.ImageService()); err != nil {
+			return nil, err
+		}
+	}
+	if opts.Protection == FilterOnly || opts.Protection == PinsAndFilter {
+		fmt.Fprintf(log, "== kubelet GC filter %q registered\n", kubeletgc.FilterName)
+		defer kubeletgc.RegisterFilter(agent.Keeper())()
 	}
 
 	cri := runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn))
@@ -161,7 +194,13 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	defer klog.LogToStderr(true)
 	runtime := kubeletgc.NewCRIRuntime(client.Conn().(*grpc.ClientConn))
 	disk := &kubeletgc.DiskUsage{Capacity: 1 << 30, UsedPercent: 95}
-	manager, err := kubeletgc.NewManager(runtime, disk, kubeletgc.Policy())
+	policy := kubeletgc.Policy()
+	beganGC := time.Now() // one cycle of the periodic loop, right after the kubelet started
+	if opts.Path == MaxAge {
+		// imageMaximumGCAge 1m, an hour after the kubelet started; the disk half empty
+		disk.UsedPercent, policy.MaxAge, beganGC = 50, time.Minute, time.Now().Add(-time.Hour)
+	}
+	manager, err := kubeletgc.NewManager(runtime, disk, policy)
 	if err != nil {
 		return nil, err
 	}
@@ -171,7 +210,7 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	case Eviction:
 		res.GCError = manager.DeleteUnusedImages(ctx)
 	default:
-		res.GCError = manager.GarbageCollect(ctx, time.Now()) // one cycle of the periodic loop
+		res.GCError = manager.GarbageCollect(ctx, beganGC)
 	}
 	klog.Flush()
 	sc := bufio.NewScanner(&gcLog)
@@ -180,11 +219,6 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 			res.Removed = append(res.Removed, sc.Text())
 		}
 	}
-	after, err := listImages(ctx, cri)
-	if err != nil {
-		return nil, err
-	}
-
 	refs := map[string]bool{}
 	for r := range from {
 		refs[r] = true
@@ -199,11 +233,27 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 		if img := findTag(before, ref); img != nil {
 			row.Before, row.Pinned, row.ImageID = true, img.Pinned, img.Id
 		}
-		row.After = findTag(after, ref) != nil
+		_, err := client.ImageService().Get(ctx, ref)
+		row.After = err == nil
 		res.Rows = append(res.Rows, row)
 	}
 	sort.Slice(res.Rows, func(i, j int) bool { return res.Rows[i].Ref < res.Rows[j].Ref })
 	return res, nil
+}
+
+// stripPins removes every pin label, ours and the CRI's, from every image.
+func stripPins(ctx context.Context, store cimages.Store) error {
+	all, err := store.List(ctx)
+	if err != nil {
+		return err
+	}
+	for _, img := range all {
+		img.Labels = nil
+		if _, err := store.Update(ctx, img, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource, "labels."+pinning.LabelK3sPinned); err != nil {
+			return fmt.Errorf("strip pins of %s: %w", img.Name, err)
+		}
+	}
+	return nil
 }
 
 func writeArchive(path string, oci bool, refs []string) error {

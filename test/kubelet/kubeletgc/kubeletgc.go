@@ -17,6 +17,8 @@ import (
 	statsapi "k8s.io/kubelet/pkg/apis/stats/v1alpha1"
 	kubecontainer "k8s.io/kubernetes/pkg/kubelet/container"
 	"k8s.io/kubernetes/pkg/kubelet/images"
+
+	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 )
 
 // CRIRuntime is the part of the kubelet's container.Runtime that the image GC calls (ListImages,
@@ -132,4 +134,16 @@ func Policy() images.ImageGCPolicy {
 func NewManager(runtime *CRIRuntime, disk *DiskUsage, policy images.ImageGCPolicy) (images.ImageGCManager, error) {
 	node := &v1.ObjectReference{Kind: "Node", Name: "k3s-pinning-test", UID: "k3s-pinning-test"}
 	return images.NewImageGCManager(runtime, disk, nil, record.NewFakeRecorder(100), node, policy, noop.NewTracerProvider())
+}
+
+// FilterName is the name k3s-pinning registers its kubelet image GC filter under.
+const FilterName = "k3s-pinning"
+
+// RegisterFilter registers keeper as the kubelet's image GC filter (patches/kubernetes), as a
+// patched k3s does before its kubelet starts, and returns the function that removes it.
+func RegisterFilter(keeper *agentimages.Keeper) (unregister func()) {
+	images.RegisterGCFilter(FilterName, func(img kubecontainer.Image) bool {
+		return keeper.Keep(img.ID, img.RepoTags, img.RepoDigests)
+	})
+	return func() { images.RegisterGCFilter(FilterName, nil) }
 }

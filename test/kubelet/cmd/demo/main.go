@@ -1,5 +1,7 @@
 // Command demo is `make demo`: the kubelet's real image GC against a node whose air-gap images
-// were loaded by k3s-pinning. It prints what survived and exits 1 if an air-gap image did not.
+// were loaded by k3s-pinning, first with the agent's CRI pins and the kubelet GC filter (a patched
+// k3s), then with every pin label stripped so that the filter alone protects them. It prints what
+// survived and exits 1 if an air-gap image did not.
 package main
 
 import (
@@ -22,12 +24,17 @@ func main() {
 	logrus.SetLevel(logrus.WarnLevel) // the table says what was pinned
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	res, err := demo.Run(ctx, demo.Options{Agent: true, Path: demo.Threshold}, os.Stdout)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "demo:", err)
-		os.Exit(1)
+	ok := true
+	for _, p := range []demo.Protection{demo.PinsAndFilter, demo.FilterOnly} {
+		fmt.Printf("\n#### protection: %s\n", p)
+		res, err := demo.Run(ctx, demo.Options{Protection: p, Path: demo.Threshold}, os.Stdout)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "demo:", err)
+			os.Exit(1)
+		}
+		ok = res.Print(os.Stdout) && ok
 	}
-	if !res.Print(os.Stdout) {
+	if !ok {
 		os.Exit(1)
 	}
 }
