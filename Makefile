@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check
+.PHONY: demo test unit build vet patches-check e2e
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -18,6 +18,11 @@ test:
 ## (1.34-1.37) in a vendor tree, build it, run the kubelet's pkg/kubelet/images tests and ours
 patches-check:
 	bash scripts/patches-check.sh
+
+## e2e: the seed scenario on a real kubelet (patched, in one process with the agent), a private
+## containerd on a loop-mounted ext4, Debian's runc, a static pod and real disk pressure (root)
+e2e:
+	bash scripts/e2e.sh
 
 ## unit: tests that need no root and no daemon
 unit:

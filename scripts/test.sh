@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make test: vet, then every test of both modules, then make patches-check. Tests that need root
+# make test: vet, then every test of the modules, make e2e, then make patches-check. Tests that need root
 # (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
 # Whatever fails, the end checks that no test left a containerd or a mount behind.
 set -euo pipefail
@@ -12,9 +12,18 @@ leaks() {
     pgrep -af 'k3s-pinning/containerd-.*/containerd --config' >&2
     rc=1
   fi
-  if grep -q ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-' /proc/self/mounts; then
+  if grep -q ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-' /proc/self/mounts; then
     echo "FAIL: a test left mounts behind:" >&2
-    grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-' /proc/self/mounts >&2
+    grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-' /proc/self/mounts >&2
+    rc=1
+  fi
+  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-'; then
+    echo "FAIL: a test left a loop device behind:" >&2
+    losetup -a | grep 'k3s-pinning-e2e-' >&2
+    rc=1
+  fi
+  if pgrep -f 'k3s-pinning/e2e/e2e-node' >/dev/null; then
+    echo "FAIL: a test left a kubelet (e2e-node) running" >&2
     rc=1
   fi
   [ $rc -eq 0 ] && echo "== all tests passed"
@@ -31,11 +40,15 @@ go vet ./...
 # test/kubelet builds against k8s.io/kubernetes vendored and patched with patches/kubernetes.
 kubelet_work=$(build/kubelet-workspace.sh)
 (cd test/kubelet && GOWORK=$kubelet_work go vet -mod=vendor ./...)
+(cd test/e2e && GOWORK=$kubelet_work go vet -mod=vendor ./...)
 
 echo "== module github.com/k3s-pinning/k3s-pinning"
 go test -count=1 -timeout 20m ./...
 echo "== module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched)"
 (cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m ./...)
+
+echo "== make e2e (a real kubelet under real disk pressure)"
+bash scripts/e2e.sh
 
 echo "== make patches-check"
 bash scripts/patches-check.sh

@@ -18,6 +18,9 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/images"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
 // Binaries are the containerd programs built from the pinned module version.
@@ -275,16 +278,22 @@ func (d *Daemon) Stop() error {
 	if d.cmd == nil {
 		return nil
 	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-d.exited:
-	case <-time.After(10 * time.Second):
-		syscall.Kill(-d.cmd.Process.Pid, syscall.SIGKILL)
-		<-d.exited
-	}
+	Terminate(d.cmd.Process, d.exited, 10*time.Second)
 	d.cmd = nil
 	d.logFile.Close()
 	return nil
+}
+
+// Terminate stops a process started in its own process group: SIGTERM, then SIGKILL to the whole
+// group if exited is not closed within grace.
+func Terminate(p *os.Process, exited <-chan struct{}, grace time.Duration) {
+	p.Signal(syscall.SIGTERM)
+	select {
+	case <-exited:
+	case <-time.After(grace):
+		syscall.Kill(-p.Pid, syscall.SIGKILL)
+		<-exited
+	}
 }
 
 // Restart stops and starts the daemon with the same root and state.
@@ -320,7 +329,7 @@ func New(t testing.TB, opts Options) *Daemon {
 		if t.Failed() {
 			t.Logf("containerd log (%s):\n%s", d.Log, tail(d.Log))
 		}
-		unmountUnder(dir)
+		UnmountUnder(dir)
 		os.RemoveAll(dir)
 	})
 	return d
@@ -336,8 +345,9 @@ func RequireRoot(t testing.TB) {
 	}
 }
 
-// unmountUnder unmounts anything the daemon left mounted below dir (snapshot mounts).
-func unmountUnder(dir string) {
+// UnmountUnder unmounts, deepest first, everything mounted below dir: what a daemon, a kubelet
+// or a test left there (snapshot mounts, sandbox shm, the kubelet root-dir bind mount).
+func UnmountUnder(dir string) {
 	data, err := os.ReadFile("/proc/self/mounts")
 	if err != nil {
 		return
@@ -352,4 +362,20 @@ func unmountUnder(dir string) {
 	for i := len(mounts) - 1; i >= 0; i-- {
 		syscall.Unmount(mounts[i], syscall.MNT_DETACH)
 	}
+}
+
+// StripPins removes every pin label from every image of the namespace in ctx: the CRI's, ours,
+// and stock k3s's. Tests use it to play a runtime that lost them.
+func StripPins(ctx context.Context, store images.Store) error {
+	all, err := store.List(ctx)
+	if err != nil {
+		return err
+	}
+	for _, img := range all {
+		img.Labels = nil
+		if _, err := store.Update(ctx, img, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource, "labels."+pinning.LabelK3sPinned); err != nil {
+			return fmt.Errorf("strip pins of %s: %w", img.Name, err)
+		}
+	}
+	return nil
 }

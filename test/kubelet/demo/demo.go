@@ -18,7 +18,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	cimages "github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"google.golang.org/grpc"
@@ -171,7 +170,7 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	}
 	if opts.Protection == FilterOnly {
 		fmt.Fprintf(log, "== stripping every pin label: only the kubelet GC filter is left\n")
-		if err := stripPins(ctx, client.ImageService()); err != nil {
+		if err := containerdtest.StripPins(ctx, client.ImageService()); err != nil {
 			return nil, err
 		}
 	}
@@ -239,21 +238,6 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	}
 	sort.Slice(res.Rows, func(i, j int) bool { return res.Rows[i].Ref < res.Rows[j].Ref })
 	return res, nil
-}
-
-// stripPins removes every pin label, ours and the CRI's, from every image.
-func stripPins(ctx context.Context, store cimages.Store) error {
-	all, err := store.List(ctx)
-	if err != nil {
-		return err
-	}
-	for _, img := range all {
-		img.Labels = nil
-		if _, err := store.Update(ctx, img, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource, "labels."+pinning.LabelK3sPinned); err != nil {
-			return fmt.Errorf("strip pins of %s: %w", img.Name, err)
-		}
-	}
-	return nil
 }
 
 func writeArchive(path string, oci bool, refs []string) error {
