@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check e2e
+.PHONY: demo test unit build vet patches-check e2e bench
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -23,6 +23,12 @@ patches-check:
 ## containerd on a loop-mounted ext4, Debian's runc, a static pod and real disk pressure (root)
 e2e:
 	bash scripts/e2e.sh
+
+## bench: every cost against its baseline in the same run (real containerd, the kubelet's GC),
+## one table; BENCH_FLAGS=-h for the sizes (root)
+bench:
+	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
+	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
 
 ## unit: tests that need no root and no daemon
 unit:

@@ -46,7 +46,7 @@ func Build() (Binaries, error) {
 }
 
 func build() (Binaries, error) {
-	root, err := moduleRoot()
+	root, err := ModuleRoot()
 	if err != nil {
 		return Binaries{}, err
 	}
@@ -124,9 +124,9 @@ func goCmd(dir string, args ...string) (string, error) {
 	return stdout.String(), nil
 }
 
-// moduleRoot finds this module's checkout from the working directory (tests run in their package
+// ModuleRoot finds this module's checkout from the working directory (tests run in their package
 // dir; the demo module sits inside the checkout), or from K3S_PINNING_ROOT.
-func moduleRoot() (string, error) {
+func ModuleRoot() (string, error) {
 	if r := os.Getenv("K3S_PINNING_ROOT"); r != "" {
 		return r, nil
 	}

@@ -54,8 +54,13 @@ func TestKeeperKeepsWhatTheAgentWants(t *testing.T) {
 	}
 	agent := n.agent(policy)
 	keeper := agent.Keeper()
-	// Before any reconcile, the patterns answer already; labels wait for the reconcile.
-	kept, _ := keptTags(n, keeper)
+	// Before any reconcile, the patterns answer already; labels wait for the reconcile. The CRI
+	// lists the hand imports a moment after ctr made them.
+	var kept, dropped []string
+	n.await(5*time.Second, "the CRI listing the three hand imports", func() bool {
+		kept, dropped = keptTags(n, keeper)
+		return len(kept)+len(dropped) == 3
+	})
 	if !slices.Equal(kept, []string{"registry.local/team/tool:1.0"}) {
 		t.Errorf("before the first sync, kept %v, want only the --pinned-images match", kept)
 	}
@@ -63,7 +68,7 @@ func TestKeeperKeepsWhatTheAgentWants(t *testing.T) {
 	if err := agent.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	kept, dropped := keptTags(n, keeper)
+	kept, dropped = keptTags(n, keeper)
 	wantKept := []string{"acc.example/airgap-multi:1.0", "acc.example/airgap-oci:1.0", "acc.example/airgap:1.0", "other.example/labelled:1.0", "registry.local/team/tool:1.0"}
 	if !slices.Equal(kept, wantKept) || !slices.Equal(dropped, []string{"other.example/unwanted:1.0"}) {
 		t.Errorf("kept %v, dropped %v; want kept %v, dropped only the unwanted hand import", kept, dropped, wantKept)
