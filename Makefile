@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check e2e bench
+.PHONY: demo test unit build vet patches-check e2e bench fuzz
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -29,6 +29,10 @@ e2e:
 bench:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
+
+## fuzz: the fuzz targets (archive index reader, policy parser), FUZZTIME each (default 60s)
+fuzz:
+	bash scripts/fuzz.sh
 
 ## unit: tests that need no root and no daemon
 unit:

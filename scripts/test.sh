@@ -47,6 +47,9 @@ go test -count=1 -timeout 20m ./...
 echo "== module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched)"
 (cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m ./...)
 
+echo "== fuzz targets, 5 s each (make fuzz runs them longer)"
+FUZZTIME=5s bash scripts/fuzz.sh
+
 echo "== make e2e (a real kubelet under real disk pressure)"
 bash scripts/e2e.sh
 

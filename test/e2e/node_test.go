@@ -57,6 +57,7 @@ type node struct {
 	ctx       context.Context
 	dir       string
 	imagefs   string // mount point of the loop device
+	loop      string // the loop device
 	imagesDir string
 	manifests string
 	daemon    *containerdtest.Daemon
@@ -155,9 +156,8 @@ func (n *node) mountImagefs() {
 	f.Truncate(imagefsSize)
 	f.Close()
 	n.run("mkfs.ext4", "-q", "-m", "0", "-F", img)
-	loop := strings.TrimSpace(n.run("losetup", "-f", "--show", img))
-	n.t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() }) // runs after cleanup's unmount
-	n.run("mount", loop, n.imagefs)
+	n.loop = strings.TrimSpace(n.run("losetup", "-f", "--show", img))
+	n.run("mount", n.loop, n.imagefs)
 }
 
 func (n *node) run(name string, args ...string) string {
@@ -318,7 +318,8 @@ imageMinimumGCAge: 1s
 }
 
 // cleanup stops everything newNode started, whatever state the test left it in: the kubelet, the
-// pods (so their shims exit), containerd, every mount below dir, the kubelet's cgroups.
+// pods (so their shims exit), containerd, every mount below dir, the loop device, the kubelet's
+// cgroups.
 func (n *node) cleanup() {
 	if n.kubelet != nil {
 		containerdtest.Terminate(n.kubelet.Process, n.exited, 10*time.Second)
@@ -343,6 +344,9 @@ func (n *node) cleanup() {
 		n.t.Logf("node log (%s), last lines:\n%s", n.log, lastLines(n.log, 40))
 	}
 	containerdtest.UnmountUnder(n.dir)
+	if n.loop != "" {
+		exec.Command("losetup", "-d", n.loop).Run()
+	}
 	// cgroups the kubelet made (cgroupfs driver); rmdir removes only empty ones, deepest first
 	dirs, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods")
 	if more, _ := filepath.Glob("/sys/fs/cgroup/kubepods"); len(more) > 0 {
