@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"syscall"
 	"testing"
@@ -44,29 +43,18 @@ func TestKilledAgentRecovers(t *testing.T) {
 	t.Logf("seed %d", seed)
 	rng := rand.New(rand.NewPCG(seed, 0))
 
-	start := func() (*exec.Cmd, chan struct{}) {
-		cmd := exec.Command(binary, append([]string{"run"}, common...)...)
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan struct{})
-		go func() { cmd.Wait(); close(exited) }()
-		return cmd, exited
-	}
 	kills := 0
 	for range 8 {
-		cmd, exited := start()
+		agent := startRun(t, common...)
 		time.Sleep(time.Duration(rng.IntN(600)) * time.Millisecond)
-		cmd.Process.Signal(syscall.SIGKILL)
-		<-exited
+		agent.cmd.Process.Signal(syscall.SIGKILL)
+		<-agent.exited
 		kills++
 		if data, err := os.ReadFile(state); err == nil && !json.Valid(data) {
 			t.Fatalf("after SIGKILL %d the state file is not valid JSON:\n%s", kills, data)
 		}
 	}
-	cmd, exited := start()
-	defer containerdtest.Terminate(cmd.Process, exited, 10*time.Second)
+	startRun(t, common...)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	for {

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -47,6 +48,27 @@ func run(t *testing.T, args ...string) (string, string, int) {
 		t.Fatal(err)
 	}
 	return stdout.String(), stderr.String(), code
+}
+
+// agentProcess is a running `k3s-pinning run`, killed when the test ends if still running.
+type agentProcess struct {
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	waitErr error // valid once exited is closed
+	stderr  bytes.Buffer
+}
+
+func startRun(t *testing.T, args ...string) *agentProcess {
+	t.Helper()
+	p := &agentProcess{cmd: exec.Command(binary, append([]string{"run"}, args...)...), exited: make(chan struct{})}
+	p.cmd.Stderr = &p.stderr
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.waitErr = p.cmd.Wait(); close(p.exited) }()
+	t.Cleanup(func() { p.cmd.Process.Kill(); <-p.exited })
+	return p
 }
 
 type statusRow map[string]any

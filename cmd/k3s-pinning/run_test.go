@@ -1,11 +1,9 @@
 package main_test
 
 import (
-	"bytes"
 	"io"
 	"net"
 	"net/http"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -37,25 +35,13 @@ func TestRunDaemon(t *testing.T) {
 	state := filepath.Join(t.TempDir(), "state.json")
 	common := []string{"--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", state}
 
-	var stderr bytes.Buffer
-	cmd := exec.Command(binary, append([]string{"run", "--metrics-address", ":" + strconv.Itoa(port)}, common...)...)
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	var waitErr error
-	go func() { waitErr = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-	})
+	agent := startRun(t, append([]string{"--metrics-address", ":" + strconv.Itoa(port)}, common...)...)
 
 	var metrics string
 	deadline := time.Now().Add(15 * time.Second)
 	for !strings.Contains(metrics, "k3s_pinning_pinned_references 2") {
 		if time.Now().After(deadline) {
-			t.Fatalf("metrics never showed 2 pinned references:\n%s\nstderr:\n%s", metrics, stderr.String())
+			t.Fatalf("metrics never showed 2 pinned references:\n%s\nstderr:\n%s", metrics, agent.stderr.String())
 		}
 		time.Sleep(100 * time.Millisecond)
 		if resp, err := http.Get("http://127.0.0.1:" + strconv.Itoa(port) + "/metrics"); err == nil {
@@ -75,11 +61,11 @@ func TestRunDaemon(t *testing.T) {
 		t.Errorf("status does not show the agent's view (exit %d):\n%s", code, out)
 	}
 
-	cmd.Process.Signal(syscall.SIGTERM)
+	agent.cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-exited:
-		if waitErr != nil {
-			t.Errorf("run exited with %v after SIGTERM, want 0\n%s", waitErr, stderr.String())
+	case <-agent.exited:
+		if agent.waitErr != nil {
+			t.Errorf("run exited with %v after SIGTERM, want 0\n%s", agent.waitErr, agent.stderr.String())
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("run did not exit within 10 s of SIGTERM")

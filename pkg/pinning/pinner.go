@@ -103,15 +103,12 @@ func (p *Pinner) Transfer(ctx context.Context, name, from, to string) error {
 	return nil
 }
 
-// PinPolicy pins every image in the store that policy wants and that is not pinned yet, and
-// returns the references it pinned. An error on one reference does not stop the others.
-func (p *Pinner) PinPolicy(ctx context.Context, policy *Policy) (pinned []string, err error) {
+// PinPolicy pins every image of all (the store's list, which the caller has made) that policy
+// wants and that is not pinned yet, and returns the references it pinned. An error on one
+// reference does not stop the others.
+func (p *Pinner) PinPolicy(ctx context.Context, policy *Policy, all []images.Image) (pinned []string, err error) {
 	if policy.Empty() {
 		return nil, nil
-	}
-	all, err := p.store.List(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("list images: %w", err)
 	}
 	var errs []error
 	for _, img := range all {

@@ -145,19 +145,22 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 			a.release(ctx, name, old.Refs, nil)
 		}
 	}
-	report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy)
+	// One list of the store serves the policy's pins and the kubelet's GC filter. Pins the policy
+	// adds do not change what the filter keeps: the policy wants those images either way.
+	all, err := a.client.ImageService().List(ctx)
+	if err != nil {
+		report.PolicyErr = fmt.Errorf("list images: %w", err)
+	} else {
+		report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy, all)
+		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), all)
+	}
 	for _, ref := range report.PolicyPinned {
 		logrus.Infof("pinned %s: --pinned-images/--pinned-image-labels want it", ref)
 	}
 	if report.PolicyErr != nil {
-		logrus.Errorf("policy: %v", report.PolicyErr)
+		logrus.Errorf("policy: %v; the kubelet's GC filter keeps answering from the last reconcile", report.PolicyErr)
 	}
 	observeReferences(report)
-	if all, err := a.client.ImageService().List(ctx); err == nil {
-		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), all)
-	} else {
-		logrus.Errorf("list images for the kubelet's GC filter: %v; it keeps answering from the last reconcile", err)
-	}
 	a.state.Agent.LastReconcile = time.Now()
 	a.state.Agent.ArchiveErrors = map[string]string{}
 	for _, ar := range report.Archives {
