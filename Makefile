@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check e2e bench fuzz
+.PHONY: demo test unit build vet patches-check e2e bench fuzz soak
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -29,6 +29,12 @@ e2e:
 bench:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
+
+## soak: the randomized soak (real containerd on a tmpfs, the kubelet's DeleteUnusedImages, 13
+## kinds of fault) for SOAK_FLAGS (default -duration 10m; -seed N replays a run) (root)
+SOAK_FLAGS ?= -duration 10m
+soak:
+	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/soak $(SOAK_FLAGS)
 
 ## fuzz: the fuzz targets (archive index reader, policy parser), FUZZTIME each (default 60s)
 fuzz:

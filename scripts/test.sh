@@ -12,9 +12,9 @@ leaks() {
     pgrep -af 'k3s-pinning/containerd-.*/containerd --config' >&2
     rc=1
   fi
-  if grep -q ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-' /proc/self/mounts; then
+  if grep -q ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts; then
     echo "FAIL: a test left mounts behind:" >&2
-    grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-' /proc/self/mounts >&2
+    grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts >&2
     rc=1
   fi
   if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-'; then
@@ -45,7 +45,8 @@ kubelet_work=$(build/kubelet-workspace.sh)
 echo "== module github.com/k3s-pinning/k3s-pinning"
 go test -count=1 -timeout 20m ./...
 echo "== module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched)"
-(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m ./...)
+# includes the short soak (soak.TestSoakShort, 40 seeded random faults; make soak runs the long one)
+(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 25m ./...)
 
 echo "== fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh

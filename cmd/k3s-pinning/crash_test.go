@@ -1,12 +1,14 @@
 package main_test
 
 import (
-	"context"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -55,8 +57,106 @@ func TestKilledAgentRecovers(t *testing.T) {
 		}
 	}
 	startRun(t, common...)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	waitPresentAndPinned(t, refs, common...)
+	leftovers, _ := filepath.Glob(filepath.Join(filepath.Dir(state), ".state-*.json"))
+	t.Logf("%d SIGKILLs survived; %d temporary state files left by killed writes", kills, len(leftovers))
+}
+
+// TestKilledAtEachCrashPoint kills `k3s-pinning run` with SIGKILL exactly at each crash point
+// (built in with -tags faultinject): after an import's content is in containerd but before any
+// reference is created, halfway through writing the state's temporary file, and between that
+// file's fsync and its rename. Each time the state file on disk is the previous one, whole; the
+// next run removes the killed writer's temporary file and ends with every reference of the images
+// dir present and pinned.
+func TestKilledAtEachCrashPoint(t *testing.T) {
+	d := containerdtest.New(t, containerdtest.Options{})
+	for i, point := range []string{"import", "state-write", "state-rename"} {
+		t.Run(point, func(t *testing.T) {
+			imagesDir := t.TempDir()
+			addArchive := func(name string) string {
+				img, err := imagetest.Image(1<<20, imagetest.Amd64)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ref := fmt.Sprintf("crash%d.example/%s:1.0", i, name)
+				if err := imagetest.WriteDocker(filepath.Join(imagesDir, name+".tar.zst"), map[string]v1.Image{ref: img}); err != nil {
+					t.Fatal(err)
+				}
+				return ref
+			}
+			state := filepath.Join(t.TempDir(), "state.json")
+			common := []string{"--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", state}
+			refs := []string{addArchive("first")}
+			if _, stderr, code := run(t, append([]string{"sync"}, common...)...); code != 0 {
+				t.Fatalf("first sync: exit %d\n%s", code, stderr)
+			}
+			before, err := os.ReadFile(state)
+			if err != nil {
+				t.Fatal(err)
+			}
+			refs = append(refs, addArchive("second"))
+
+			log := filepath.Join(t.TempDir(), "stderr")
+			logFile, err := os.Create(log)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer logFile.Close()
+			cmd := exec.Command(faultBinary, append([]string{"run"}, common...)...)
+			cmd.Env = append(os.Environ(), "K3S_PINNING_FAULT="+point)
+			cmd.Stderr = logFile
+			agent := startProcess(t, cmd)
+			deadline := time.Now().Add(time.Minute)
+			for {
+				out, _ := os.ReadFile(log)
+				if strings.Contains(string(out), "FAULT POINT "+point+" REACHED") {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("fault point %s not reached within a minute:\n%s", point, out)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			agent.cmd.Process.Signal(syscall.SIGKILL)
+			<-agent.exited
+
+			after, err := os.ReadFile(state)
+			if err != nil {
+				t.Fatalf("state file gone after SIGKILL at %s: %v", point, err)
+			}
+			if !bytes.Equal(before, after) {
+				t.Errorf("SIGKILL at %s changed the state file (it must be the previous one, whole)", point)
+			}
+			temps, _ := filepath.Glob(filepath.Join(filepath.Dir(state), ".state-*.json"))
+			if point != "import" && len(temps) != 1 {
+				t.Errorf("SIGKILL at %s left %d temporary state files, want the killed writer's one", point, len(temps))
+			}
+
+			startRun(t, common...)
+			waitPresentAndPinned(t, refs, common...)
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+				data, _ := os.ReadFile(state)
+				if strings.Contains(string(data), "second.tar.zst") {
+					if !json.Valid(data) {
+						t.Fatalf("state after recovery is not valid JSON:\n%s", data)
+					}
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the next run did not record second.tar.zst in the state within a minute")
+				}
+			}
+			if temps, _ := filepath.Glob(filepath.Join(filepath.Dir(state), ".state-*.json")); len(temps) != 0 {
+				t.Errorf("temporary state files left after the next run saved: %v", temps)
+			}
+		})
+	}
+}
+
+// waitPresentAndPinned waits up to a minute for `status` to show every ref present and pinned.
+func waitPresentAndPinned(t *testing.T, refs []string, common ...string) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
 	for {
 		rows := status(t, common...)
 		ok := true
@@ -66,13 +166,11 @@ func TestKilledAgentRecovers(t *testing.T) {
 			}
 		}
 		if ok {
-			break
+			return
 		}
-		if ctx.Err() != nil {
-			t.Fatalf("after %d SIGKILLs and a restart, not every reference is present and pinned: %v", kills, rows)
+		if time.Now().After(deadline) {
+			t.Fatalf("not every reference is present and pinned: %v", rows)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	leftovers, _ := filepath.Glob(filepath.Join(filepath.Dir(state), ".state-*.json"))
-	t.Logf("%d SIGKILLs survived; %d temporary state files left by killed writes", kills, len(leftovers))
 }

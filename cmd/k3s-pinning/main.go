@@ -281,6 +281,11 @@ func printSync(w io.Writer, r *images.SyncReport) {
 		fmt.Fprintf(tw, "%s\t-\t0\tfalse\t0\tFAILED\n", err)
 	}
 	tw.Flush()
+	for _, a := range r.Archives {
+		for _, c := range a.Shadowed {
+			fmt.Fprintf(w, "conflict: %v\n", c)
+		}
+	}
 	if len(r.PolicyPinned) > 0 || r.PolicyErr != nil {
 		fmt.Fprintf(w, "policy: %d hand-imported reference(s) pinned now\n", len(r.PolicyPinned))
 	}

@@ -17,7 +17,7 @@ import (
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
 
-var binary string
+var binary, faultBinary string
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "k3s-pinning-bin-")
@@ -26,6 +26,11 @@ func TestMain(m *testing.M) {
 	}
 	binary = filepath.Join(dir, "k3s-pinning")
 	if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		panic(string(out))
+	}
+	// The crash tests' binary stops at a named fault point (K3S_PINNING_FAULT) to be killed there.
+	faultBinary = filepath.Join(dir, "k3s-pinning-faultinject")
+	if out, err := exec.Command("go", "build", "-tags", "faultinject", "-o", faultBinary, ".").CombinedOutput(); err != nil {
 		panic(string(out))
 	}
 	code := m.Run()
@@ -60,8 +65,16 @@ type agentProcess struct {
 
 func startRun(t *testing.T, args ...string) *agentProcess {
 	t.Helper()
-	p := &agentProcess{cmd: exec.Command(binary, append([]string{"run"}, args...)...), exited: make(chan struct{})}
-	p.cmd.Stderr = &p.stderr
+	return startProcess(t, exec.Command(binary, append([]string{"run"}, args...)...))
+}
+
+// startProcess starts cmd (a `k3s-pinning run`) and kills it at the end of the test.
+func startProcess(t *testing.T, cmd *exec.Cmd) *agentProcess {
+	t.Helper()
+	p := &agentProcess{cmd: cmd, exited: make(chan struct{})}
+	if p.cmd.Stderr == nil {
+		p.cmd.Stderr = &p.stderr
+	}
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)

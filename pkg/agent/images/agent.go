@@ -34,6 +34,7 @@ type Agent struct {
 	pinner   *pinning.Pinner
 	state    *State
 	keeper   *Keeper
+	owners   *owners // which archive provides each reference, as of the last sync
 }
 
 // NewAgent returns an Agent on client. The containerd namespace comes from each call's context.
@@ -89,6 +90,7 @@ type ArchiveReport struct {
 	Format   Format
 	Imported bool // content was imported (tarball) or pulled (list)
 	Refs     []RefResult
+	Shadowed []Conflict // references this archive also provides, loaded from an earlier one
 	Err      error
 	index    *Index // what the archive provides; nil when it could not be read
 }
@@ -124,17 +126,46 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	report := &SyncReport{}
 	archives, scanErrs := Scan(a.cfg.ImagesDir)
 	report.ScanErrors = scanErrs
+	seen := map[string]bool{}
 	for _, err := range scanErrs {
 		logrus.Errorf("images dir: %v", err)
+		if errors.Is(err, errDirUnreadable) {
+			// Not an empty dir: nothing left it. Every recorded archive keeps what it provided
+			// until the dir can be read again.
+			logrus.Errorf("images dir %s cannot be read: keeping every image its archives provided", a.cfg.ImagesDir)
+			for name := range a.state.Archives {
+				seen[name] = true
+			}
+		}
 	}
-	seen := map[string]bool{}
-	var indexes []*Index
+	// Every archive is indexed before any is loaded: which archive provides a reference is
+	// decided over all of them (ownership).
+	type indexed struct {
+		ar         Archive
+		idx        *Index
+		fileDigest digest.Digest
+		err        error
+	}
+	var all []indexed
+	var claims, indexes []*Index
 	for _, ar := range archives {
 		seen[ar.Name()] = true
-		rep := a.syncArchive(ctx, ar)
-		report.Archives = append(report.Archives, rep)
-		if rep.index != nil {
-			indexes = append(indexes, rep.index)
+		idx, d, err := a.index(ar)
+		all = append(all, indexed{ar, idx, d, err})
+		if idx != nil {
+			indexes = append(indexes, idx)
+			claims = append(claims, idx)
+		} else if rec := a.state.Archives[ar.Name()]; rec != nil {
+			claims = append(claims, rec.index(ar)) // damaged now: it keeps what it loaded
+		}
+	}
+	a.setOwners(ownership(claims))
+	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
+	for _, lists := range []bool{false, true} {
+		for _, x := range all {
+			if x.ar.IsList() == lists {
+				report.Archives = append(report.Archives, a.load(ctx, x.ar, x.idx, x.fileDigest, x.err))
+			}
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
@@ -147,12 +178,12 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	}
 	// One list of the store serves the policy's pins and the kubelet's GC filter. Pins the policy
 	// adds do not change what the filter keeps: the policy wants those images either way.
-	all, err := a.client.ImageService().List(ctx)
+	listed, err := a.client.ImageService().List(ctx)
 	if err != nil {
 		report.PolicyErr = fmt.Errorf("list images: %w", err)
 	} else {
-		report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy, all)
-		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), all)
+		report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy, listed)
+		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), listed)
 	}
 	for _, ref := range report.PolicyPinned {
 		logrus.Infof("pinned %s: --pinned-images/--pinned-image-labels want it", ref)
@@ -172,18 +203,51 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	return report
 }
 
+// setOwners makes o the ownership the next loads follow, and logs each conflict once, when it
+// first appears.
+func (a *Agent) setOwners(o *owners) {
+	known := map[Conflict]bool{}
+	if a.owners != nil {
+		for _, c := range a.owners.conflicts {
+			known[c] = true
+		}
+	}
+	for _, c := range o.conflicts {
+		if !known[c] {
+			logrus.Warnf("conflict: %v; remove it from one archive, or rename them so the one you want sorts first", c)
+		}
+	}
+	a.owners = o
+}
+
+// syncArchive indexes and loads one archive (a restore), under the ownership of the last sync.
 func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
+	idx, d, err := a.index(ar)
+	return a.load(ctx, ar, idx, d, err)
+}
+
+// load imports and pins what ar provides (idx, as read with indexErr), except the references
+// another archive owns, and records it.
+func (a *Agent) load(ctx context.Context, ar Archive, idx *Index, fileDigest digest.Digest, indexErr error) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
 	old := a.state.Archives[ar.Name()]
-	idx, fileDigest, err := a.index(ar)
 	if idx == nil {
-		rep.Err = err
-		logrus.Errorf("%v", err)
+		rep.Err = indexErr
+		logrus.Errorf("%v", indexErr)
 		return rep // the old record and its pins stay: a broken file never unpins anything
 	}
-	rep.Format, rep.index = idx.Format, idx
-	refs, imported, loadErr := a.importer.Load(ctx, idx)
-	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(err, loadErr)
+	if a.owners == nil {
+		a.owners = ownership(nil)
+	}
+	rep.Format, rep.index, rep.Shadowed = idx.Format, idx, a.owners.shadowed(ar.Name())
+	refs, imported, loadErr := a.importer.Load(ctx, a.owners.loadable(idx))
+	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
+	if loadErr != nil && len(refs) == 0 {
+		// The import failed as a whole (a full disk, containerd going away): like a damaged file,
+		// the old record and its pins stay, and the next sync or restore tries again.
+		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
+		return rep
+	}
 	a.record(ctx, ar, idx, fileDigest, old, refs)
 	for _, r := range refs {
 		switch {
@@ -226,8 +290,11 @@ func (a *Agent) index(ar Archive) (*Index, digest.Digest, error) {
 func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, fileDigest digest.Digest, old *ArchiveState, refs []RefResult) {
 	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Digest: fileDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
 	for _, r := range refs {
-		if r.Err == nil && r.Digest != "" {
+		switch {
+		case r.Err == nil && r.Digest != "":
 			rec.Refs[r.Ref] = digest.Digest(r.Digest)
+		case r.Err != nil && old != nil && old.Refs[r.Ref] != "":
+			rec.Refs[r.Ref] = old.Refs[r.Ref] // failed now: still provided, so kept and restorable
 		}
 	}
 	for _, img := range idx.Images {

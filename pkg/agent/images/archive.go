@@ -59,7 +59,7 @@ func Scan(dir string) ([]Archive, []error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, []error{&ArchiveError{Path: dir, Err: err}}
+		return nil, []error{&ArchiveError{Path: dir, Err: fmt.Errorf("%w: %w", errDirUnreadable, err)}}
 	}
 	var (
 		archives []Archive
@@ -85,9 +85,15 @@ func Scan(dir string) ([]Archive, []error) {
 	return archives, errs
 }
 
-var errIsDir = errors.New("is a directory")
+var (
+	errIsDir = errors.New("is a directory")
+	// errDirUnreadable is an images dir that exists but cannot be listed (permissions, I/O error).
+	errDirUnreadable = errors.New("images dir unreadable")
+)
 
-// archiveAt is the archive at path, following symlinks as k3s does when it opens them.
+// archiveAt is the archive at path. Symlinks are followed wherever they point, as k3s does when it
+// opens them (archives are often links to read-only media); the link's name is the archive's
+// name. Only regular files are archives.
 func archiveAt(path string) (Archive, error) {
 	info, err := os.Stat(path)
 	if err != nil {
@@ -95,6 +101,10 @@ func archiveAt(path string) (Archive, error) {
 	}
 	if info.IsDir() {
 		return Archive{}, errIsDir
+	}
+	if !info.Mode().IsRegular() {
+		// A FIFO or device (or a symlink to one) would block or never end when read.
+		return Archive{}, &ArchiveError{Path: path, Err: fmt.Errorf("not a regular file (%s)", info.Mode().Type())}
 	}
 	if !supported(path) {
 		return Archive{}, &ArchiveError{Path: path, Err: fmt.Errorf("unsupported file type; k3s loads %s",

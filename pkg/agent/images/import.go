@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/content"
@@ -16,7 +17,6 @@ import (
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"github.com/rancher/wharfie/pkg/tarfile"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
@@ -72,18 +72,63 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 			return nil, false, err
 		}
 		defer done(ctx)
-		if targets, err = im.importTarball(ctx, idx.Archive); err != nil {
+		all, err := im.importTarball(ctx, idx.Archive)
+		if err != nil {
 			return nil, false, &ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
-		imported = true
+		targets, imported = indexed(all, idx), true
+		faultPoint("import") // content imported, no reference created yet
 	}
 	source := idx.Archive.Name()
 	for _, img := range targets {
-		for _, name := range References(img.Name, img.Target.Digest, im.extraRegistries) {
+		names := References(img.Name, img.Target.Digest, im.extraRegistries)
+		if imported {
+			// The index checked entries by name; a blob whose content does not match the digest
+			// its name claims is stored under its real digest, and the image would lack it.
+			if err := im.complete(ctx, img.Target); err != nil {
+				for _, name := range names {
+					refs = append(refs, RefResult{Ref: name, Err: &ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", img.Name, err)}})
+				}
+				continue
+			}
+		}
+		for _, name := range names {
 			refs = append(refs, im.putRef(ctx, images.Image{Name: name, Target: img.Target}, source))
 		}
 	}
 	return refs, imported, nil
+}
+
+// indexed are the imported images that idx lists: an archive whose claim on a reference another
+// archive overrules (see ownership) imports its content but does not create that reference.
+func indexed(imported []images.Image, idx *Index) []images.Image {
+	listed := map[string]bool{}
+	for _, img := range idx.Images {
+		listed[img.Ref] = true
+	}
+	var out []images.Image
+	for _, img := range imported {
+		if listed[img.Name] {
+			out = append(out, img)
+		}
+	}
+	return out
+}
+
+// complete checks that the node's platform of the image target has all its content in the store.
+func (im *Importer) complete(ctx context.Context, target ocispec.Descriptor) error {
+	available, _, _, missing, err := images.Check(ctx, im.client.ContentStore(), target, platforms.Default())
+	if err != nil {
+		return err
+	}
+	if !available || len(missing) > 0 {
+		var names []string
+		for _, m := range missing {
+			names = append(names, m.Digest.String())
+		}
+		return fmt.Errorf("content missing from the archive (a blob's content does not match its name?): %s", strings.Join(names, ", "))
+	}
+	return nil
 }
 
 // References are all the names one image of an archive gets: its own, repo@digest (once the
@@ -104,7 +149,7 @@ func References(name string, dgst digest.Digest, extraRegistries []string) []str
 }
 
 // presentTargets returns the images of idx as they are in containerd, and whether all of them are
-// there with the content the archive holds (same manifest digest, or for docker archives, whose
+// there, complete for the node's platform, with the content the archive holds (same manifest digest, or for docker archives, whose
 // manifest containerd writes at import, the same config).
 func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Image, bool, error) {
 	store := im.client.ImageService()
@@ -126,6 +171,11 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 				return nil, false, nil
 			}
 		}
+		// The reference alone is not the image: content deleted under it (the CRI's RemoveImage
+		// racing a restore, then containerd's GC) leaves a name the CRI cannot resolve.
+		if im.complete(ctx, img.Target) != nil {
+			return nil, false, nil
+		}
 		found = append(found, img)
 	}
 	return found, true, nil
@@ -135,11 +185,7 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 // client.Import does with all platforms and missing content skipped (k3s's options), but creates
 // no image record: putRef does, with the pin labels. ctx must carry a lease.
 func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Image, error) {
-	open, err := tarfile.GetOpener(a.Path)
-	if err != nil {
-		return nil, err
-	}
-	rc, err := open()
+	rc, err := openArchive(a)
 	if err != nil {
 		return nil, err
 	}
@@ -239,6 +285,25 @@ func (im *Importer) putRef(ctx context.Context, img images.Image, source string)
 	return res
 }
 
+// criStatus is the CRI's status of ref. The CRI learns of images from containerd's events, so an
+// image a tarball created a moment ago may not be in its view yet: when containerd has ref, the
+// CRI is given a moment to catch up rather than asked to pull it (an air-gapped pull fails).
+func (im *Importer) criStatus(ctx context.Context, ref string) (*runtimeapi.ImageStatusResponse, error) {
+	_, inStore := im.client.ImageService().Get(ctx, ref)
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		status, err := im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+		if err != nil || status.GetImage() != nil || inStore != nil || time.Now().After(deadline) {
+			return status, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // pullList pulls through the CRI (so registry mirrors and credentials apply) each reference of a
 // .txt list that is not present, then pins it and the repo@digest reference the CRI created.
 func (im *Importer) pullList(ctx context.Context, idx *Index) ([]RefResult, bool, error) {
@@ -250,7 +315,7 @@ func (im *Importer) pullList(ctx context.Context, idx *Index) ([]RefResult, bool
 		source = idx.Archive.Name()
 	)
 	for _, want := range idx.Images {
-		status, err := im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+		status, err := im.criStatus(ctx, want.Ref)
 		if err == nil && status.GetImage() == nil {
 			if _, err = im.cri.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
 				pulled = true

@@ -10,11 +10,13 @@ import (
 	"io"
 	"os"
 	"path"
+	"strconv"
 	"strings"
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/platforms"
 	"github.com/distribution/reference"
+	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/rancher/wharfie/pkg/tarfile"
@@ -69,9 +71,68 @@ const (
 	maxMetadataEntry = 4 << 20
 	// maxMetadataTotal bounds all JSON kept for one archive.
 	maxMetadataTotal = 64 << 20
-	// maxListLine bounds one line of a .txt list.
+	// maxListLine bounds one line of a .txt list (a reference is at most 255 bytes of name, a
+	// tag and a digest).
 	maxListLine = 4096
+	// maxListEntries bounds the distinct references of one list, and maxListBytes what is read
+	// of it: k3s pulls each entry, and a list is meant for a handful of images.
+	maxListEntries = 10000
+	maxListBytes   = 16 << 20
+	// maxListErrors bounds the bad lines reported one by one for one list (each is a `doctor`
+	// finding and a log line).
+	maxListErrors = 20
 )
+
+// MaxExpansion bounds what a compressed archive may expand to: MaxExpansion times its size on
+// disk, plus expansionSlack. Image tarballs compress a few times at most (their layers are
+// usually compressed already); a decompression bomb expands thousands of times, and would fill
+// the disk holding containerd's root, the very disk the kubelet is trying to free. A genuine
+// archive over the bound can be stored uncompressed (.tar), which is never over it.
+const (
+	MaxExpansion   = 100
+	expansionSlack = 64 << 20
+)
+
+// expandedLimit is the most bytes archive a may yield once decompressed.
+func expandedLimit(a Archive) int64 { return MaxExpansion*a.Size + expansionSlack }
+
+// openArchive opens the tarball a, decompressed as k3s does (its decoders, with the zstd decoder
+// memory bound k3s uses), yielding at most expandedLimit(a) bytes: past that, reads fail with an
+// error naming the bound.
+func openArchive(a Archive) (io.ReadCloser, error) {
+	open, err := tarfile.GetOpener(a.Path)
+	if err != nil {
+		return nil, err
+	}
+	rc, err := open()
+	if err != nil {
+		return nil, err
+	}
+	return &boundedReader{ReadCloser: rc, left: expandedLimit(a), limit: expandedLimit(a)}, nil
+}
+
+// boundedReader fails once more than limit bytes were read.
+type boundedReader struct {
+	io.ReadCloser
+	left, limit int64
+}
+
+func (b *boundedReader) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		return 0, errTooExpanded(b.limit)
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
+
+func errTooExpanded(limit int64) error {
+	return fmt.Errorf("expands to more than %d MiB (%d times its size plus %d MiB): refused as a decompression bomb; store a genuine archive uncompressed (.tar)",
+		limit>>20, MaxExpansion, expansionSlack>>20)
+}
 
 // ReadIndex reads what archive a provides. A .txt list with some bad lines returns the good ones
 // with an error naming each bad line; any other error means the archive cannot be imported.
@@ -79,16 +140,16 @@ func ReadIndex(a Archive) (*Index, error) {
 	if a.IsList() {
 		return readList(a)
 	}
-	open, err := tarfile.GetOpener(a.Path)
-	if err != nil {
-		return nil, &ArchiveError{Path: a.Path, Err: err}
-	}
-	rc, err := open()
+	rc, err := openArchive(a)
 	if err != nil {
 		return nil, &ArchiveError{Path: a.Path, Err: err}
 	}
 	defer rc.Close()
 	idx, err := readTar(a, rc)
+	if errors.Is(err, zstd.ErrWindowSizeExceeded) {
+		err = fmt.Errorf("%w: its zstd window is larger than the %d MiB the decoder may use (k3s's bound); compress with a smaller window (zstd --long=25 or less)",
+			err, tarfile.MaxDecoderMemory>>20)
+	}
 	if err != nil {
 		return nil, &ArchiveError{Path: a.Path, Err: err}
 	}
@@ -103,44 +164,110 @@ func readList(a Archive) (*Index, error) {
 	defer f.Close()
 	idx := &Index{Archive: a, Format: ImageList}
 	var errs []error
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 0, maxListLine), maxListLine)
-	line := 0
-	for sc.Scan() {
-		line++
-		text := strings.TrimSpace(sc.Text())
-		if text == "" || strings.HasPrefix(text, "#") {
-			continue
+	bad := func(line int, err error) {
+		if len(errs) < maxListErrors {
+			errs = append(errs, &ArchiveError{Path: a.Path, Line: line, Err: err})
 		}
-		named, err := reference.ParseDockerRef(text)
-		if err != nil {
-			errs = append(errs, &ArchiveError{Path: a.Path, Line: line, Err: fmt.Errorf("%q is not an image reference: %w", text, err)})
-			continue
+		if len(errs) == maxListErrors {
+			errs = append(errs, &ArchiveError{Path: a.Path, Err: fmt.Errorf("more than %d bad lines; the rest are not reported one by one", maxListErrors)})
 		}
-		img := IndexedImage{Ref: named.String(), Line: line}
-		if c, ok := named.(reference.Canonical); ok {
-			img.Digest = c.Digest()
-		}
-		idx.Images = append(idx.Images, img)
 	}
-	if err := sc.Err(); err != nil {
-		errs = append(errs, &ArchiveError{Path: a.Path, Line: line + 1, Err: fmt.Errorf("unreadable line: %w", err)})
+	listed := map[string]bool{}
+	r := bufio.NewReaderSize(io.LimitReader(f, maxListBytes+1), maxListLine)
+	for line := 1; ; line++ {
+		text, long, err := readLine(r)
+		if err != nil && err != io.EOF {
+			bad(line, fmt.Errorf("unreadable: %w", err))
+			break
+		}
+		if long {
+			bad(line, fmt.Errorf("longer than %d bytes: not an image reference", maxListLine))
+		} else if text = strings.TrimSpace(text); text != "" && !strings.HasPrefix(text, "#") {
+			switch named, perr := reference.ParseDockerRef(text); {
+			case perr != nil:
+				bad(line, notAReference(text, perr))
+			case listed[named.String()]:
+				// listed twice: pulled once
+			case len(listed) == maxListEntries:
+				bad(line, fmt.Errorf("more than %d references in one list: the rest are ignored", maxListEntries))
+				return idx, errors.Join(errs...)
+			default:
+				listed[named.String()] = true
+				img := IndexedImage{Ref: named.String(), Line: line}
+				if c, ok := named.(reference.Canonical); ok {
+					img.Digest = c.Digest()
+				}
+				idx.Images = append(idx.Images, img)
+			}
+		}
+		if err == io.EOF {
+			break
+		}
+	}
+	if info, err := f.Stat(); err == nil && info.Size() > maxListBytes {
+		errs = append(errs, &ArchiveError{Path: a.Path, Err: fmt.Errorf("larger than %d MiB: only the beginning was read", maxListBytes>>20)})
 	}
 	return idx, errors.Join(errs...)
+}
+
+// readLine returns the next line of r without its newline; a line longer than r's buffer is
+// skipped to its end and reported as long, so that one huge line costs nothing and the lines
+// after it are still read.
+func readLine(r *bufio.Reader) (text string, long bool, err error) {
+	for {
+		chunk, err := r.ReadSlice('\n')
+		if err == bufio.ErrBufferFull {
+			long = true
+			continue
+		}
+		if !long {
+			text = strings.TrimSuffix(string(chunk), "\n")
+		}
+		if err == io.EOF && len(chunk) == 0 && !long {
+			return "", false, io.EOF
+		}
+		return text, long, err
+	}
+}
+
+// notAReference explains a bad list line. The parser's own message repeats the line, so it is
+// kept only for a short printable one.
+func notAReference(text string, err error) error {
+	if len(text) > 80 || strings.ContainsFunc(text, func(r rune) bool { return !strconv.IsPrint(r) }) {
+		return fmt.Errorf("%s is not an image reference", quoteShort(text))
+	}
+	return fmt.Errorf("%s is not an image reference: %w", quoteShort(text), err)
+}
+
+// quoteShort quotes s for an error message, cut to a length that keeps logs readable (a list may
+// hold binary junk).
+func quoteShort(s string) string {
+	const max = 80
+	if len(s) > max {
+		return strconv.Quote(s[:max]) + "..."
+	}
+	return strconv.Quote(s)
 }
 
 // tarContents is what one pass over an image tarball keeps: which entries exist and the JSON
 // ones small enough to be metadata.
 type tarContents struct {
-	present  map[string]bool
-	json     map[string][]byte
-	symlinks map[string]string
-	kept     int64
+	present   map[string]bool
+	json      map[string][]byte
+	symlinks  map[string]string
+	hardlinks map[string]bool
+	kept      int64
+}
+
+// escapes reports whether the cleaned entry name leaves the archive's root.
+func escapes(name string) bool {
+	return path.IsAbs(name) || name == ".." || strings.HasPrefix(name, "../")
 }
 
 func readTar(a Archive, r io.Reader) (*Index, error) {
-	tc := &tarContents{present: map[string]bool{}, json: map[string][]byte{}, symlinks: map[string]string{}}
+	tc := &tarContents{present: map[string]bool{}, json: map[string][]byte{}, symlinks: map[string]string{}, hardlinks: map[string]bool{}}
 	tr := tar.NewReader(r)
+	limit, total := expandedLimit(a), int64(0)
 	for {
 		hdr, err := tr.Next()
 		if err == io.EOF {
@@ -149,14 +276,32 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 		if err != nil {
 			return nil, fmt.Errorf("reading tar: %w", err)
 		}
+		// containerd stores entries by content digest and never writes them by name, so a name
+		// cannot reach outside; but no image tool writes such names, and an archive that does was
+		// crafted: it is refused whole.
 		name := path.Clean(hdr.Name)
+		if escapes(name) {
+			return nil, fmt.Errorf("entry %q points outside the archive: refused", hdr.Name)
+		}
 		switch hdr.Typeflag {
 		case tar.TypeSymlink:
-			tc.symlinks[name] = path.Join(path.Dir(name), hdr.Linkname)
+			target := path.Join(path.Dir(name), hdr.Linkname)
+			if path.IsAbs(hdr.Linkname) || escapes(target) {
+				return nil, fmt.Errorf("symlink %q -> %q points outside the archive: refused", hdr.Name, hdr.Linkname)
+			}
+			tc.symlinks[name] = target
+			continue
+		case tar.TypeLink:
+			tc.hardlinks[name] = true // containerd's importer ignores hard links
 			continue
 		case tar.TypeReg:
 		default:
 			continue
+		}
+		// Sizes are checked before the data is read: a sparse entry (a few bytes in the file, any
+		// size once read) or a bomb is refused without expanding it.
+		if total += hdr.Size; total > limit {
+			return nil, errTooExpanded(limit)
 		}
 		tc.present[name] = true
 		if hdr.Size > maxMetadataEntry {
@@ -191,13 +336,21 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 	return nil, errors.New("not an image archive: no manifest.json and no OCI layout (oci-layout, index.json)")
 }
 
+// hardlinkNote explains a missing entry that is a hard link.
+func (tc *tarContents) hardlinkNote(name string) string {
+	if tc.hardlinks[path.Clean(name)] {
+		return " (it is a hard link, which containerd does not import)"
+	}
+	return ""
+}
+
 func (tc *tarContents) decode(name string, v any) error {
 	data, ok := tc.json[name]
 	if !ok {
 		if tc.present[name] {
 			return fmt.Errorf("%s is not JSON or too large", name)
 		}
-		return fmt.Errorf("%s is missing from the archive", name)
+		return fmt.Errorf("%s is missing from the archive%s", name, tc.hardlinkNote(name))
 	}
 	if err := json.Unmarshal(data, v); err != nil {
 		return fmt.Errorf("%s: %w", name, err)
@@ -222,7 +375,7 @@ func (tc *tarContents) dockerIndex(a Archive) (*Index, error) {
 		}
 		for _, l := range m.Layers {
 			if !tc.present[path.Clean(l)] {
-				return nil, fmt.Errorf("manifest.json entry %d: layer %q is missing from the archive", i, l)
+				return nil, fmt.Errorf("manifest.json entry %d: layer %q is missing from the archive%s", i, l, tc.hardlinkNote(l))
 			}
 		}
 		id := digest.FromBytes(config)
@@ -297,11 +450,11 @@ func (tc *tarContents) imageID(desc ocispec.Descriptor, depth int) (digest.Diges
 			return "", err
 		}
 		if !tc.present[blobPath(m.Config.Digest)] {
-			return "", fmt.Errorf("config %s is missing from the archive", m.Config.Digest)
+			return "", fmt.Errorf("config %s is missing from the archive%s", m.Config.Digest, tc.hardlinkNote(blobPath(m.Config.Digest)))
 		}
 		for _, l := range m.Layers {
 			if !tc.present[blobPath(l.Digest)] {
-				return "", fmt.Errorf("layer %s is missing from the archive", l.Digest)
+				return "", fmt.Errorf("layer %s is missing from the archive%s", l.Digest, tc.hardlinkNote(blobPath(l.Digest)))
 			}
 		}
 		return m.Config.Digest, nil

@@ -28,6 +28,7 @@ type Snapshot struct {
 	Refs          []RefStatus
 	ArchiveErrors []error
 	Misspelled    []Misspelling
+	Conflicts     []Conflict // references two archives provide with different images
 	// Agent is the view of the running agent, from the state file (zero when none ran).
 	Agent  AgentView
 	wanted *wantedSet
@@ -44,7 +45,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	snap := &Snapshot{}
 	archives, errs := Scan(a.cfg.ImagesDir)
 	snap.ArchiveErrors = errs
-	var indexes []*Index
+	var indexes, claims []*Index
 	var inDir []string
 	for _, ar := range archives {
 		inDir = append(inDir, ar.Name())
@@ -54,8 +55,12 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 		}
 		if idx != nil {
 			indexes = append(indexes, idx)
+			claims = append(claims, idx)
+		} else if rec := a.state.Archives[ar.Name()]; rec != nil {
+			claims = append(claims, rec.index(ar))
 		}
 	}
+	snap.Conflicts = ownership(claims).conflicts
 	snap.wanted = newWantedSet(inDir, indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
 	snap.Agent = a.state.Agent
 
@@ -139,6 +144,10 @@ func (s *Snapshot) Findings() []Finding {
 			out = append(out, Finding{Subject: r.Ref, Problem: fmt.Sprintf("wanted (%s) but not pinned: the kubelet may delete it under disk pressure", r.Source),
 				Fix: "run `k3s-pinning sync`"})
 		}
+	}
+	for _, c := range s.Conflicts {
+		out = append(out, Finding{Subject: c.Ref, Problem: "two archives provide it with different images: " + c.String(),
+			Fix: "remove it from one archive, or rename the archives so that the one you want sorts first"})
 	}
 	for _, ref := range s.Agent.WaitingForDisk {
 		out = append(out, Finding{Subject: ref, Problem: "restore waiting: the disk holding containerd's root is full",

@@ -29,7 +29,12 @@ type node struct {
 
 func newNode(t *testing.T) *node {
 	t.Helper()
-	d := containerdtest.New(t, containerdtest.Options{})
+	return newNodeWith(t, containerdtest.Options{})
+}
+
+func newNodeWith(t *testing.T, opts containerdtest.Options) *node {
+	t.Helper()
+	d := containerdtest.New(t, opts)
 	client, err := d.Client()
 	if err != nil {
 		t.Fatal(err)

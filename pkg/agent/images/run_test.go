@@ -14,6 +14,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -295,6 +296,57 @@ func TestUnwritableStateKeepsProtectingFromMemory(t *testing.T) {
 		want := map[string]string{"full": "no space left", "read-only": "read-only file system"}[name]
 		if v := a.View(); !strings.Contains(v.StateError, want) {
 			t.Errorf("%s state dir: agent view reports %q, want it to say %q", name, v.StateError, want)
+		}
+	}
+}
+
+// TestFailedImportKeepsTheArchivesOtherPins: an image deleted while the disk holding containerd's
+// root is full cannot be imported again; the archive's other references must stay pinned (the
+// soak found them unpinned: a failed import was recorded as the archive providing nothing), and
+// once space is freed the next sync brings the image back.
+func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
+	containerdtest.RequireRoot(t)
+	root := t.TempDir()
+	if err := syscall.Mount("tmpfs", root, "tmpfs", 0, "size=48m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Unmount(root, syscall.MNT_DETACH) }) // after containerd stops (LIFO)
+	n := newNodeWith(t, containerdtest.Options{Root: root})
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/a:1.0", "acc.example/b:1.0"}})
+	a := n.agent(nil)
+	if err := a.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: "acc.example/a:1.0"}}); err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(root, &st); err != nil {
+		t.Fatal(err)
+	}
+	filler, err := os.Create(filepath.Join(root, "filler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer filler.Close()
+	if err := syscall.Fallocate(int(filler.Fd()), 0, 0, int64(st.Bavail)*st.Bsize-16<<10); err != nil {
+		t.Fatal(err)
+	}
+	err = a.Sync(n.ctx).Err()
+	if err == nil || !strings.Contains(err.Error(), "no space left") {
+		t.Fatalf("sync on a full disk: %v, want no space left", err)
+	}
+	if present, pinned := n.criPinned("acc.example/b:1.0"); !present || !pinned {
+		t.Errorf("b:1.0 after a failed import of its archive: present=%t pinned=%t", present, pinned)
+	}
+	filler.Close()
+	os.Remove(filler.Name())
+	if err := a.Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for _, ref := range []string{"acc.example/a:1.0", "acc.example/b:1.0"} {
+		if present, pinned := n.criPinned(ref); !present || !pinned {
+			t.Errorf("%s once space is back: present=%t pinned=%t", ref, present, pinned)
 		}
 	}
 }

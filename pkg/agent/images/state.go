@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -77,8 +78,11 @@ func LoadState(path string) (*State, error) {
 	return s, nil
 }
 
-// Save writes the state atomically (temp file, fsync, rename) with mode 0600. On a full or
-// read-only disk it fails and leaves the previous file whole; the caller keeps the state in memory.
+// Save writes the state atomically (temp file, fsync, rename) with mode 0600, in a dir of mode
+// 0700: it names every archive and image of the node. On a full or read-only disk it fails and
+// leaves the previous file whole; the caller keeps the state in memory. Writers (the daemon, a
+// `sync` beside it) take turns on a lock file; holding it, a writer removes the temporary files
+// that a writer killed mid-write left, since no live writer can own one.
 func (s *State) Save(path string) error {
 	data, err := json.MarshalIndent(s, "", "  ")
 	if err != nil {
@@ -87,6 +91,16 @@ func (s *State) Save(path string) error {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("state dir %s: %w", dir, err)
+	}
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	defer unlock()
+	if stale, _ := filepath.Glob(filepath.Join(dir, ".state-*.json")); len(stale) > 0 {
+		for _, f := range stale {
+			os.Remove(f)
+		}
 	}
 	tmp, err := os.CreateTemp(dir, ".state-*.json")
 	if err != nil {
@@ -97,7 +111,13 @@ func (s *State) Save(path string) error {
 		tmp.Close()
 		return err
 	}
-	if _, err := tmp.Write(data); err != nil {
+	half := len(data) / 2
+	if _, err := tmp.Write(data[:half]); err != nil {
+		tmp.Close()
+		return fmt.Errorf("state %s: %w", path, err)
+	}
+	faultPoint("state-write") // a crash here leaves half a temp file, never half a state file
+	if _, err := tmp.Write(data[half:]); err != nil {
 		tmp.Close()
 		return fmt.Errorf("state %s: %w", path, err)
 	}
@@ -108,6 +128,7 @@ func (s *State) Save(path string) error {
 	if err := tmp.Close(); err != nil {
 		return fmt.Errorf("state %s: %w", path, err)
 	}
+	faultPoint("state-rename")
 	if err := os.Rename(tmp.Name(), path); err != nil {
 		return fmt.Errorf("state %s: %w", path, err)
 	}
@@ -116,6 +137,19 @@ func (s *State) Save(path string) error {
 		d.Close()
 	}
 	return nil
+}
+
+// lockDir takes the state writers' lock in dir; the kernel releases it if the holder dies.
+func lockDir(dir string) (unlock func(), err error) {
+	f, err := os.OpenFile(filepath.Join(dir, ".state.lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { f.Close() }, nil
 }
 
 // providers are the archives whose last load provided ref, in name order: the first is the one a

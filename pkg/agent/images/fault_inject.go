@@ -1,0 +1,19 @@
+//go:build faultinject
+
+package images
+
+import (
+	"fmt"
+	"os"
+)
+
+// faultPoint, in binaries built with -tags faultinject (crash tests only), stops the process at
+// the point K3S_PINNING_FAULT names: it says so on stderr and blocks, for the test to SIGKILL it
+// exactly there.
+func faultPoint(name string) {
+	if os.Getenv("K3S_PINNING_FAULT") != name {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "FAULT POINT %s REACHED\n", name)
+	select {}
+}
