@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check e2e bench fuzz soak
+.PHONY: demo test unit build vet patches-check k3s-patches-check k3s e2e bench fuzz soak
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -18,6 +18,15 @@ test:
 ## (1.34-1.37) in a vendor tree, build it, run the kubelet's pkg/kubelet/images tests and ours
 patches-check:
 	bash scripts/patches-check.sh
+
+## k3s: a k3s binary with k3s-pinning built in, K3S_VERSION=v1.xx.y+k3s1 (needs network access:
+## github.com, the Go module proxy, k3s's downloads; fails fast without); see scripts/build-k3s.sh
+k3s:
+	K3S_VERSION=$(K3S_VERSION) bash scripts/build-k3s.sh
+
+## k3s-patches-check: every patches/k3s series well formed, and make k3s failing fast offline
+k3s-patches-check:
+	bash scripts/k3s-patches-check.sh
 
 ## e2e: the seed scenario on a real kubelet (patched, in one process with the agent), a private
 ## containerd on a loop-mounted ext4, Debian's runc, a static pod and real disk pressure (root)

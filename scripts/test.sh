@@ -45,14 +45,24 @@ kubelet_work=$(build/kubelet-workspace.sh)
 echo "== module github.com/k3s-pinning/k3s-pinning"
 go test -count=1 -timeout 20m ./...
 echo "== module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched)"
-# includes the short soak (soak.TestSoakShort, 40 seeded random faults; make soak runs the long one)
-(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 25m ./...)
+(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -skip TestSoakShort ./...)
+
+echo "== short soak: 40 seeded random faults against a real containerd (make soak runs the long one)"
+if ! soak=$(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -v -run TestSoakShort ./soak 2>&1); then
+  echo "$soak"
+  exit 1
+fi
+grep -E 'soak seed|SKIPPED|soak_test.go:[0-9]+:   [a-z-]+ +[0-9]+$|invariant violations' <<<"$soak" | sed 's/^ *soak_test.go:[0-9]*: //'
+
 
 echo "== fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh
 
 echo "== make e2e (a real kubelet under real disk pressure)"
 bash scripts/e2e.sh
+
+echo "== make k3s-patches-check (patches/k3s series well formed; make k3s fails fast offline)"
+bash scripts/k3s-patches-check.sh
 
 echo "== make patches-check"
 bash scripts/patches-check.sh

@@ -50,7 +50,7 @@ func commonFlags(o *options) []cli.Flag {
 		&cli.StringFlag{Name: "namespace", Value: pinning.DefaultNamespace, Usage: "containerd namespace (the CRI uses k8s.io)", Destination: &o.namespace},
 		&cli.StringFlag{Name: "state-file", Value: images.DefaultStateFile, Usage: "what each archive provided, kept across restarts (outside the images dir)", Destination: &o.stateFile},
 		&cli.StringSliceFlag{Name: "airgap-extra-registry", Usage: "also tag imported images under this registry, as k3s --airgap-extra-registry does", Destination: &o.extraRegistries},
-	}, images.PolicyFlags(&o.policy)...)
+	}, images.PolicyFlags(&o.policy, "K3S")...)
 }
 
 func main() {

@@ -12,11 +12,13 @@ import (
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/images/archive"
+	containerdlabels "github.com/containerd/containerd/v2/pkg/labels"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/platforms"
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/sirupsen/logrus"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
@@ -95,8 +97,48 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 		for _, name := range names {
 			refs = append(refs, im.putRef(ctx, images.Image{Name: name, Target: img.Target}, source))
 		}
+		if imported {
+			if err := im.labelSources(ctx, img); err != nil {
+				logrus.Warnf("%s: %s: distribution-source labels: %v", idx.Archive.Name(), img.Name, err)
+			}
+		}
 	}
 	return refs, imported, nil
+}
+
+// labelSources gives the content of an imported image containerd's distribution-source labels,
+// as k3s does: the embedded registry (spegel) serves content to peers only for the registries
+// these labels name, the image's own and each --airgap-extra-registry, with the repository path
+// as value. Only these keys are written; the GC labels on the content stay.
+func (im *Importer) labelSources(ctx context.Context, img images.Image) error {
+	named, err := reference.ParseDockerRef(img.Name)
+	if err != nil {
+		return nil // not a registry reference: no registry to name
+	}
+	sources := map[string]string{}
+	var fields []string
+	for _, reg := range append([]string{reference.Domain(named)}, im.extraRegistries...) {
+		key := containerdlabels.LabelDistributionSource + "." + strings.TrimSuffix(reg, "/")
+		if _, dup := sources[key]; !dup {
+			sources[key] = reference.Path(named)
+			fields = append(fields, "labels."+key)
+		}
+	}
+	cs := im.client.ContentStore()
+	var errs []error
+	label := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+		if _, err := cs.Update(ctx, content.Info{Digest: desc.Digest, Labels: sources}, fields...); err != nil {
+			if errdefs.IsNotFound(err) {
+				return nil, nil // another platform's content, left out of the archive
+			}
+			errs = append(errs, fmt.Errorf("%s: %w", desc.Digest, err))
+		}
+		return images.Children(ctx, cs, desc)
+	})
+	if err := images.Walk(ctx, label, img.Target); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
 }
 
 // indexed are the imported images that idx lists: an archive whose claim on a reference another
@@ -131,18 +173,33 @@ func (im *Importer) complete(ctx context.Context, target ocispec.Descriptor) err
 	return nil
 }
 
-// References are all the names one image of an archive gets: its own, repo@digest (once the
-// digest is known), and one per --airgap-extra-registry, as k3s retags.
+// References are all the names one image of an archive gets, as k3s names what it imports: its
+// own, repo@digest (once the digest is known), and per --airgap-extra-registry the tag and the
+// digest under that registry; a registry that already hosts the image (the name starts with it)
+// adds nothing, so that a registry with a path is not repeated.
 func References(name string, dgst digest.Digest, extraRegistries []string) []string {
 	names := []string{name}
 	if dr := digestRef(name, dgst); dr != "" {
 		names = append(names, dr)
 	}
-	if tagged, err := reference.ParseDockerRef(name); err == nil {
-		if t, ok := tagged.(reference.NamedTagged); ok {
-			for _, reg := range extraRegistries {
-				names = append(names, fmt.Sprintf("%s/%s:%s", strings.TrimSuffix(reg, "/"), reference.Path(t), t.Tag()))
-			}
+	tagged, err := reference.ParseDockerRef(name)
+	if err != nil {
+		return names
+	}
+	t, ok := tagged.(reference.NamedTagged)
+	if !ok {
+		return names
+	}
+	seen := map[string]bool{}
+	for _, reg := range extraRegistries {
+		reg = strings.TrimSuffix(reg, "/")
+		if reg == "" || seen[reg] || strings.HasPrefix(t.Name(), reg+"/") {
+			continue
+		}
+		seen[reg] = true
+		names = append(names, fmt.Sprintf("%s/%s:%s", reg, reference.Path(t), t.Tag()))
+		if dgst != "" {
+			names = append(names, fmt.Sprintf("%s/%s@%s", reg, reference.Path(t), dgst))
 		}
 	}
 	return names
@@ -172,8 +229,10 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 			}
 		}
 		// The reference alone is not the image: content deleted under it (the CRI's RemoveImage
-		// racing a restore, then containerd's GC) leaves a name the CRI cannot resolve.
-		if im.complete(ctx, img.Target) != nil {
+		// racing a restore, then containerd's GC) leaves a name the CRI cannot resolve. The
+		// target blob is enough to ask for: containerd's GC keeps a referenced manifest's
+		// children, and import checked them (complete) when the reference was made.
+		if _, err := im.client.ContentStore().Info(ctx, img.Target.Digest); err != nil {
 			return nil, false, nil
 		}
 		found = append(found, img)

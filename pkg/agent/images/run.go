@@ -27,6 +27,9 @@ type RunOptions struct {
 	ReconcileInterval time.Duration
 	// Restore re-imports a wanted image that was deleted, from its archive.
 	Restore bool
+	// Synced says the caller ran Sync just before (k3s's start-up, which waits for the import):
+	// Run does not sync again before it follows events.
+	Synced bool
 }
 
 // DefaultReconcileInterval is the safety-net period; events do the steady-state work.
@@ -76,7 +79,9 @@ func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 	go a.watchEvents(ctx, ns, events, request)
 	go a.watchDir(ctx, request)
 
-	a.Sync(ctx)
+	if !opts.Synced {
+		a.Sync(ctx)
+	}
 	pending := map[string]*pendingRestore{}
 	ticker := time.NewTicker(opts.ReconcileInterval)
 	defer ticker.Stop()

@@ -203,6 +203,9 @@ func TestRestartWithUnchangedArchivesImportsNothing(t *testing.T) {
 	if info, err := os.Stat(state); err != nil || info.Mode().Perm() != 0o600 {
 		t.Fatalf("state file: %v, mode %v; want 0600", err, info)
 	}
+	if info, err := os.Stat(filepath.Dir(state)); err != nil || info.Mode().Perm() != 0o700 {
+		t.Fatalf("state dir: %v, mode %v; want 0700 (the agent created it)", err, info)
+	}
 	// k3s restarts clear the pins of what it imported: strip every pin, then restart the agent.
 	all, _ := n.client.ImageService().List(n.ctx)
 	for _, img := range all {

@@ -56,7 +56,7 @@ func main() {
 		switch *agentMode {
 		case "run":
 			go func() {
-				if err := agent.Run(nsCtx, images.RunOptions{Restore: true}); err != nil {
+				if err := agent.Run(nsCtx, images.RunOptions{Restore: true, Synced: true}); err != nil {
 					logrus.Errorf("k3s-pinning agent: %v", err)
 				}
 			}()

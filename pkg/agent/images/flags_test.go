@@ -1,0 +1,105 @@
+package images_test
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+)
+
+// k3sApp is a k3s-like app: `server` and `agent` each with the k3s-pinning flags appended, as the
+// patch appends them, sharing one options value.
+func k3sApp(o *images.K3sOptions, prefix string) *cli.App {
+	action := func(*cli.Context) error { return o.Validate() }
+	return &cli.App{
+		Name: "k3s",
+		Commands: []*cli.Command{
+			{Name: "server", Flags: images.K3sFlags(o, prefix), Action: action},
+			{Name: "agent", Flags: images.K3sFlags(o, prefix), Action: action},
+		},
+	}
+}
+
+func TestK3sFlags(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		args    []string
+		env     map[string]string
+		prefix  string
+		wantErr string // "" parses; else the error names this
+		check   func(*images.K3sOptions) bool
+	}{
+		{name: "defaults: pinning and restore on, no policy", args: []string{"agent"},
+			check: func(o *images.K3sOptions) bool {
+				return o.Enabled() && !o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 0
+			}},
+		{name: "server has them too", args: []string{"server", "--disable-image-restore", "--pinned-images", "registry.local/*"},
+			check: func(o *images.K3sOptions) bool {
+				return o.Enabled() && o.DisableImageRestore && strings.Join(o.Policy.PinnedImages.Value(), ",") == "registry.local/*"
+			}},
+		// What k3s's config file (/etc/rancher/k3s/config.yaml) becomes: `key: value` and lists as
+		// repeated --key=value, before the command line.
+		{name: "config-file keys", args: []string{"agent", "--disable-image-restore=true", "--pinned-images=a.example/x:1", "--pinned-images=b.example/*", "--pinned-image-labels=team=infra"},
+			check: func(o *images.K3sOptions) bool {
+				return o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 2 && o.Policy.PinnedImageLabels.Value()[0] == "team=infra"
+			}},
+		{name: "K3S_ environment variables", args: []string{"agent"},
+			env: map[string]string{"K3S_DISABLE_IMAGE_RESTORE": "true", "K3S_PINNED_IMAGES": "a.example/x:1,b.example/*"},
+			check: func(o *images.K3sOptions) bool {
+				return o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 2
+			}},
+		{name: "the program's own prefix (rke2)", args: []string{"agent"}, prefix: "RKE2",
+			env:   map[string]string{"RKE2_DISABLE_IMAGE_PINNING": "true", "K3S_DISABLE_IMAGE_PINNING": "false"},
+			check: func(o *images.K3sOptions) bool { return !o.Enabled() }},
+		{name: "disabled", args: []string{"agent", "--disable-image-pinning"},
+			check: func(o *images.K3sOptions) bool { return !o.Enabled() }},
+		{name: "bad boolean", args: []string{"agent", "--disable-image-pinning=maybe"}, wantErr: "disable-image-pinning"},
+		{name: "bad boolean in the environment", args: []string{"agent"},
+			env: map[string]string{"K3S_DISABLE_IMAGE_RESTORE": "perhaps"}, wantErr: "disable-image-restore"},
+		{name: "malformed pattern", args: []string{"agent", "--pinned-images", "registry.local/[app"}, wantErr: "--pinned-images"},
+		{name: "malformed label selector", args: []string{"server", "--pinned-image-labels", "=x"}, wantErr: "--pinned-image-labels"},
+		{name: "policy without pinning", args: []string{"agent", "--disable-image-pinning", "--pinned-images", "a.example/x:1"}, wantErr: "--disable-image-pinning"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			for k, v := range c.env {
+				t.Setenv(k, v)
+			}
+			prefix := c.prefix
+			if prefix == "" {
+				prefix = "K3S"
+			}
+			o := &images.K3sOptions{}
+			err := k3sApp(o, prefix).Run(append([]string{"k3s"}, c.args...))
+			switch {
+			case c.wantErr == "" && err != nil:
+				t.Fatalf("%v: %v", c.args, err)
+			case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+				t.Fatalf("%v: error %v, want one naming %s", c.args, err, c.wantErr)
+			case c.check != nil && !c.check(o):
+				t.Errorf("%v: options %+v", c.args, o)
+			}
+		})
+	}
+}
+
+// TestAppendK3sFlags is what the patched k3s main does: the flags land on server and agent only,
+// bound to K3sFlagValues.
+func TestAppendK3sFlags(t *testing.T) {
+	defer func() { images.K3sFlagValues = images.K3sOptions{} }()
+	var seen string
+	run := func(c *cli.Context) error { seen = c.Command.Name; return nil }
+	app := &cli.App{Name: "k3s", Commands: images.AppendK3sFlags([]*cli.Command{
+		{Name: "server", Action: run}, {Name: "agent", Action: run}, {Name: "kubectl", Action: run},
+	}, "K3S")}
+	if err := app.Run([]string{"k3s", "agent", "--disable-image-restore", "--pinned-images", "registry.local/*"}); err != nil || seen != "agent" {
+		t.Fatalf("agent: %v", err)
+	}
+	if !images.K3sFlagValues.DisableImageRestore || images.K3sFlagValues.Policy.PinnedImages.Value()[0] != "registry.local/*" {
+		t.Errorf("K3sFlagValues = %+v", images.K3sFlagValues)
+	}
+	if err := app.Run([]string{"k3s", "kubectl", "--disable-image-restore"}); err == nil {
+		t.Error("kubectl accepted --disable-image-restore; only server and agent run an agent")
+	}
+}

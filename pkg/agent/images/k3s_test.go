@@ -1,0 +1,215 @@
+package images_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/images"
+	containerdlabels "github.com/containerd/containerd/v2/pkg/labels"
+	"github.com/containerd/typeurl/v2"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// stockK3sImport imports path as stock k3s does (client.Import, all platforms) and sets k3s's
+// two pin labels on what it created.
+func (n *node) stockK3sImport(path string) {
+	n.t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer f.Close()
+	imgs, err := n.client.Import(n.ctx, f, containerd.WithAllPlatforms(true))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	for _, img := range imgs {
+		img.Labels = map[string]string{pinning.LabelPinned: pinning.PinnedValue, pinning.LabelK3sPinned: pinning.PinnedValue}
+		if _, err := n.client.ImageService().Update(n.ctx, img, "labels."+pinning.LabelPinned, "labels."+pinning.LabelK3sPinned); err != nil {
+			n.t.Fatal(err)
+		}
+	}
+}
+
+// TestStartK3sTakesOverTheImagesDir is the entry point the k3s patch calls from PreloadImages, on
+// a node where stock k3s ran before: everything k3s's import does is done (name@digest, the
+// --airgap-extra-registry tag and digest, distribution-source labels on the content, .txt lists
+// satisfied through the CRI, .cache.json left alone), each reference pinned from its creation;
+// k3s's own pins are adopted with no moment unpinned; then the agent keeps running.
+func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/team/app:1.0"}})
+	writeArchive(t, n.imagesDir, archiveCase{file: "oci.tar.zst", oci: true, refs: []string{"acc.example/oci:1.0"}})
+	if err := os.WriteFile(filepath.Join(n.imagesDir, "pull.txt"), []byte("acc.example/team/app:1.0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cache := filepath.Join(n.imagesDir, ".cache.json")
+	if err := os.WriteFile(cache, []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// What stock k3s left: an archive it imported and pinned, still in the images dir, and a
+	// pinned image whose archive is gone.
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := imagetest.WriteDocker(filepath.Join(n.imagesDir, "old.tar"), map[string]v1.Image{"acc.example/old:1.0": img}); err != nil {
+		t.Fatal(err)
+	}
+	n.stockK3sImport(filepath.Join(n.imagesDir, "old.tar"))
+	gone := filepath.Join(t.TempDir(), "gone.tar")
+	writeArchive(t, filepath.Dir(gone), archiveCase{file: "gone.tar", refs: []string{"acc.example/gone:1.0"}})
+	n.stockK3sImport(gone)
+
+	// Every label change of acc.example/old:1.0 is watched: k3s's pin must never be missing.
+	var mu sync.Mutex
+	var unpinnedOld []string
+	evCtx, stopEvents := context.WithCancel(n.ctx)
+	defer stopEvents()
+	evs, _ := n.client.Subscribe(evCtx, `topic=="/images/update"`)
+	go func() {
+		for env := range evs {
+			if ev, err := typeurl.UnmarshalAny(env.Event); err == nil {
+				if u, ok := ev.(*eventstypes.ImageUpdate); ok && u.Name == "acc.example/old:1.0" && !pinning.IsPinned(u.Labels) {
+					mu.Lock()
+					unpinnedOld = append(unpinnedOld, u.String())
+					mu.Unlock()
+				}
+			}
+		}
+	}()
+
+	ctx, cancel := context.WithCancel(n.ctx)
+	opts := &agentimages.K3sOptions{}
+	keeper, stopped, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
+		ExtraRegistries: []string{"mirror.local:5000"}}, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); <-stopped })
+
+	// Everything k3s's import creates, pinned, and recorded for its archive.
+	digest := n.target("acc.example/team/app:1.0")
+	for _, ref := range []string{"acc.example/team/app:1.0", "acc.example/team/app@" + digest,
+		"mirror.local:5000/team/app:1.0", "mirror.local:5000/team/app@" + digest, "acc.example/oci:1.0"} {
+		if present, pinned := n.criPinned(ref); !present || !pinned {
+			t.Errorf("%s: present=%t pinned=%t", ref, present, pinned)
+		}
+	}
+	if src := n.labels("acc.example/team/app:1.0")[pinning.LabelSource]; src != "app.tar" {
+		t.Errorf("app:1.0 source %q, want app.tar", src)
+	}
+	// The embedded registry (spegel) serves only content labelled with its registry.
+	appImg, err := n.client.ImageService().Get(n.ctx, "acc.example/team/app:1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	labelled := 0
+	images.Walk(n.ctx, images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+		info, err := n.client.ContentStore().Info(ctx, desc.Digest)
+		if err != nil {
+			t.Errorf("content %s: %v", desc.Digest, err)
+			return nil, nil
+		}
+		for _, reg := range []string{"acc.example", "mirror.local:5000"} {
+			if got := info.Labels[containerdlabels.LabelDistributionSource+"."+reg]; got != "team/app" {
+				t.Errorf("content %s (%s): distribution source for %s = %q, want team/app", desc.Digest, desc.MediaType, reg, got)
+			}
+		}
+		if info.Labels["containerd.io/gc.ref.content.l.0"] == "" && strings.Contains(desc.MediaType, "manifest") {
+			t.Errorf("manifest %s lost its GC labels", desc.Digest)
+		}
+		labelled++
+		return images.Children(ctx, n.client.ContentStore(), desc)
+	}), appImg.Target)
+	if labelled < 3 {
+		t.Errorf("%d blobs walked, want manifest, config and layer", labelled)
+	}
+
+	// k3s's pins: adopted where the images dir still provides the image, never unpinned; cleared
+	// where it does not, as k3s does at start.
+	old := n.labels("acc.example/old:1.0")
+	if !pinning.IsPinned(old) || old[pinning.LabelSource] != "old.tar" || old[pinning.LabelK3sPinned] != "" {
+		t.Errorf("acc.example/old:1.0 labels %v, want our pin for old.tar and k3s's mark gone", old)
+	}
+	mu.Lock()
+	if len(unpinnedOld) > 0 {
+		t.Errorf("acc.example/old:1.0 was unpinned on the way: %v", unpinnedOld)
+	}
+	mu.Unlock()
+	if l := n.labels("acc.example/gone:1.0"); pinning.IsPinned(l) || l[pinning.LabelK3sPinned] != "" {
+		t.Errorf("acc.example/gone:1.0 labels %v, want k3s's stale pin cleared (the image stays)", l)
+	}
+
+	// The list was satisfied by the tarball (no pull: acc.example does not resolve here), nothing
+	// failed, and k3s's .cache.json is neither read as an archive nor written.
+	state, err := agentimages.LoadState(filepath.Join(filepath.Dir(n.imagesDir), "k3s-pinning", "state.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(state.Agent.ArchiveErrors) != 0 {
+		t.Errorf("archive errors at start-up: %v", state.Agent.ArchiveErrors)
+	}
+	if data, _ := os.ReadFile(cache); string(data) != "{}" {
+		t.Errorf(".cache.json changed: %q", data)
+	}
+
+	// The kubelet GC filter's decision, and the agent running behind it.
+	if !keeper.Keep("", []string{"acc.example/team/app:1.0"}, nil) || keeper.Keep("", []string{"acc.example/gone:1.0"}, nil) {
+		t.Error("keeper: want app:1.0 kept and gone:1.0 not")
+	}
+	n.setLabel("acc.example/oci:1.0", pinning.LabelPinned, "")
+	n.await(2*time.Second, "oci:1.0 re-pinned by the running agent", func() bool { return n.pinnedLabel("acc.example/oci:1.0") })
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: "acc.example/team/app:1.0"}}); err != nil {
+		t.Fatal(err)
+	}
+	n.await(10*time.Second, "app:1.0 restored from app.tar", func() bool { return n.pinnedLabel("acc.example/team/app:1.0") })
+}
+
+// TestStartK3sOptions: --disable-image-restore keeps pins but does not re-import; with
+// --disable-image-pinning the entry point refuses (the patch runs k3s's own import instead); a
+// malformed policy is an error naming the flag.
+func TestStartK3sOptions(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	cfg := agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir, StateFile: filepath.Join(t.TempDir(), "state.json")}
+
+	if _, _, err := agentimages.StartK3s(n.ctx, cfg, &agentimages.K3sOptions{DisableImagePinning: true}); err == nil || !strings.Contains(err.Error(), "--disable-image-pinning") {
+		t.Errorf("disabled: err %v, want one naming --disable-image-pinning", err)
+	}
+	bad := &agentimages.K3sOptions{}
+	bad.Policy.PinnedImages.Set("registry.local/[x")
+	if _, _, err := agentimages.StartK3s(n.ctx, cfg, bad); err == nil || !strings.Contains(err.Error(), "--pinned-images") {
+		t.Errorf("malformed policy: err %v, want one naming --pinned-images", err)
+	}
+
+	ctx, cancel := context.WithCancel(n.ctx)
+	_, stopped, err := agentimages.StartK3s(ctx, cfg, &agentimages.K3sOptions{DisableImageRestore: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cancel(); <-stopped })
+	if present, pinned := n.criPinned("acc.example/app:1.0"); !present || !pinned {
+		t.Fatalf("app:1.0 present=%t pinned=%t", present, pinned)
+	}
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: "acc.example/app:1.0"}}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * time.Second)
+	if n.target("acc.example/app:1.0") != "" {
+		t.Error("app:1.0 restored although --disable-image-restore is set")
+	}
+}
