@@ -34,7 +34,8 @@ type Agent struct {
 	pinner   *pinning.Pinner
 	state    *State
 	keeper   *Keeper
-	owners   *owners // which archive provides each reference, as of the last sync
+	owners   *owners    // which archive provides each reference, as of the last sync
+	wanted   *wantedSet // the keep-decision of the last sync; nil until a sync listed containerd
 }
 
 // NewAgent returns an Agent on client. The containerd namespace comes from each call's context.
@@ -46,6 +47,7 @@ func NewAgent(client *containerd.Client, cfg Config) *Agent {
 		pinner:   pinning.NewPinner(client.ImageService()),
 		state:    loadState(cfg.StateFile),
 		keeper:   &Keeper{policy: cfg.Policy},
+		owners:   ownership(nil),
 	}
 	a.keeper.publishRecorded(a.state)
 	return a
@@ -183,7 +185,8 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 		report.PolicyErr = fmt.Errorf("list images: %w", err)
 	} else {
 		report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy, listed)
-		a.keeper.publish(newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries), listed)
+		a.wanted = newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
+		a.keeper.publish(a.wanted, listed)
 	}
 	for _, ref := range report.PolicyPinned {
 		logrus.Infof("pinned %s: --pinned-images/--pinned-image-labels want it", ref)
@@ -235,9 +238,6 @@ func (a *Agent) load(ctx context.Context, ar Archive, idx *Index, fileDigest dig
 		rep.Err = indexErr
 		logrus.Errorf("%v", indexErr)
 		return rep // the old record and its pins stay: a broken file never unpins anything
-	}
-	if a.owners == nil {
-		a.owners = ownership(nil)
 	}
 	rep.Format, rep.index, rep.Shadowed = idx.Format, idx, a.owners.shadowed(ar.Name())
 	refs, imported, loadErr := a.importer.Load(ctx, a.owners.loadable(idx))

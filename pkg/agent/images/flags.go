@@ -74,15 +74,13 @@ func K3sFlags(o *K3sOptions, envPrefix string) []cli.Flag {
 // Enabled reports whether k3s-pinning takes over the images dir.
 func (o *K3sOptions) Enabled() bool { return !o.DisableImagePinning }
 
-// Validate checks the values once parsed, naming the flag of a bad one.
-func (o *K3sOptions) Validate() error {
-	if _, err := o.Policy.Policy(); err != nil {
-		return err
-	}
+// Validate checks the values once parsed, naming the flag of a bad one, and returns the policy
+// they describe.
+func (o *K3sOptions) Validate() (*pinning.Policy, error) {
 	if o.DisableImagePinning && (len(o.Policy.PinnedImages.Value()) > 0 || len(o.Policy.PinnedImageLabels.Value()) > 0) {
-		return fmt.Errorf("--pinned-images and --pinned-image-labels need image pinning; remove them or --disable-image-pinning")
+		return nil, fmt.Errorf("--pinned-images and --pinned-image-labels need image pinning; remove them or --disable-image-pinning")
 	}
-	return nil
+	return o.Policy.Policy()
 }
 
 // K3sFlagValues are the values of the flags AppendK3sFlags adds, which the patched k3s reads

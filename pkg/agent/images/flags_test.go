@@ -12,7 +12,7 @@ import (
 // k3sApp is a k3s-like app: `server` and `agent` each with the k3s-pinning flags appended, as the
 // patch appends them, sharing one options value.
 func k3sApp(o *images.K3sOptions, prefix string) *cli.App {
-	action := func(*cli.Context) error { return o.Validate() }
+	action := func(*cli.Context) error { _, err := o.Validate(); return err }
 	return &cli.App{
 		Name: "k3s",
 		Commands: []*cli.Command{

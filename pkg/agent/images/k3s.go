@@ -36,10 +36,10 @@ func StartK3s(ctx context.Context, cfg K3sConfig, opts *K3sOptions) (keeper *Kee
 	if !opts.Enabled() {
 		return nil, nil, fmt.Errorf("k3s-pinning: --disable-image-pinning is set; k3s imports the images dir itself")
 	}
-	if err := opts.Validate(); err != nil {
+	policy, err := opts.Validate()
+	if err != nil {
 		return nil, nil, err
 	}
-	policy, _ := opts.Policy.Policy()
 	if cfg.StateFile == "" {
 		cfg.StateFile = filepath.Join(filepath.Dir(cfg.ImagesDir), "k3s-pinning", "state.json")
 	}
@@ -67,7 +67,7 @@ func StartK3s(ctx context.Context, cfg K3sConfig, opts *K3sOptions) (keeper *Kee
 	return agent.Keeper(), done, nil
 }
 
-// adoptK3sPins takes over the pins stock k3s set (LabelK3sPinned beside the CRI pin). k3s clears
+// adoptK3sPins, right after a sync, takes over the pins stock k3s set (LabelK3sPinned beside the CRI pin). k3s clears
 // them at every start and imports again, which leaves its images unpinned meanwhile (k3s issue
 // 14265); here a wanted image keeps its CRI pin and gets ours, and only the pin of an image
 // nothing wants any more is cleared, as k3s would.
@@ -77,15 +77,15 @@ func (a *Agent) adoptK3sPins(ctx context.Context) error {
 	if err != nil || len(marked) == 0 {
 		return err
 	}
-	snap, err := a.Inspect(ctx)
-	if err != nil {
-		return err
+	if a.wanted == nil {
+		// the sync could not list containerd: k3s's pins stay as they are until the next start
+		return errors.New("k3s's pins left as they are: the start-up sync could not list containerd")
 	}
 	var errs []error
 	for _, img := range marked {
 		fields := []string{"labels." + pinning.LabelK3sPinned}
 		delete(img.Labels, pinning.LabelK3sPinned)
-		src, wanted := snap.wanted.source(img)
+		src, wanted := a.wanted.source(img)
 		_, ours := pinning.OwnPin(img.Labels)
 		var did string
 		switch {

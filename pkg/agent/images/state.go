@@ -97,10 +97,9 @@ func (s *State) Save(path string) error {
 		return fmt.Errorf("state %s: %w", path, err)
 	}
 	defer unlock()
-	if stale, _ := filepath.Glob(filepath.Join(dir, ".state-*.json")); len(stale) > 0 {
-		for _, f := range stale {
-			os.Remove(f)
-		}
+	stale, _ := filepath.Glob(filepath.Join(dir, ".state-*.json"))
+	for _, f := range stale {
+		os.Remove(f)
 	}
 	tmp, err := os.CreateTemp(dir, ".state-*.json")
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -26,6 +27,7 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/errdefs"
 	"github.com/containerd/platforms"
 	"github.com/distribution/reference"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -350,7 +352,7 @@ func (s *soak) inject(f Fault) (string, error) {
 }
 
 func ignoreNotFound(err error) error {
-	if err != nil && strings.Contains(err.Error(), "not found") {
+	if errdefs.IsNotFound(err) {
 		return nil
 	}
 	return err
@@ -391,13 +393,7 @@ func (s *soak) pickWanted(restorable bool) string {
 }
 
 func (s *soak) pickArchive() *archive {
-	names := slices.Sorted(func(yield func(string) bool) {
-		for n := range s.archives {
-			if !yield(n) {
-				return
-			}
-		}
-	})
+	names := slices.Sorted(maps.Keys(s.archives))
 	if len(names) == 0 {
 		return nil
 	}
@@ -527,12 +523,6 @@ func (s *soak) settle() (time.Duration, string) {
 	}
 }
 
-// noSpace reports whether the agent says archive file failed for lack of space.
-func (s *soak) noSpace(file string) bool {
-	st, err := agentimages.LoadState(s.state)
-	return err == nil && strings.Contains(st.Agent.ArchiveErrors[file], "no space left")
-}
-
 // check is the invariant, "" when it holds.
 func (s *soak) check() string {
 	ctx, cancel := context.WithTimeout(s.ctx, 5*time.Second)
@@ -547,35 +537,28 @@ func (s *soak) check() string {
 	}
 	wanted := s.wanted()
 	// While the disk is full, a wanted reference may be missing or still at an archive's previous
-	// content, as long as the agent says why: a restore waiting, or the archive failing for lack
-	// of space. The step that frees the disk then requires everything back.
+	// content, as long as the agent says why (in its state file, read once per check): a restore
+	// waiting, or the archive failing for lack of space. The step that frees the disk then
+	// requires everything back.
+	var view agentimages.AgentView
+	if s.full {
+		if st, err := agentimages.LoadState(s.state); err == nil {
+			view = st.Agent
+		}
+	}
+	noSpace := func(file string) bool { return s.full && strings.Contains(view.ArchiveErrors[file], "no space left") }
+	archiveOf := map[string]string{}
+	for _, a := range s.archives {
+		for ref := range a.refs {
+			archiveOf[ref] = a.file
+		}
+	}
 	waiting := func(ref string) bool {
-		if !s.full {
-			return false
-		}
-		st, err := agentimages.LoadState(s.state)
-		if err != nil {
-			return false
-		}
-		if slices.Contains(st.Agent.RestoresPending, ref) {
-			return true
-		}
-		for _, a := range s.archives {
-			if _, ok := a.refs[ref]; ok {
-				return strings.Contains(st.Agent.ArchiveErrors[a.file], "no space left")
-			}
-		}
-		return false
+		return s.full && (slices.Contains(view.RestoresPending, ref) || noSpace(archiveOf[ref]))
 	}
 	cri := s.cri()
 	wantedIDs := map[string]bool{} // repo + image ID of wanted references: digest refs of ours
-	for _, ref := range slices.Sorted(func(yield func(string) bool) {
-		for r := range wanted {
-			if !yield(r) {
-				return
-			}
-		}
-	}) {
+	for _, ref := range slices.Sorted(maps.Keys(wanted)) {
 		img, ok := byName[ref]
 		if !ok {
 			if waiting(ref) {
@@ -616,7 +599,7 @@ func (s *soak) check() string {
 				continue
 			}
 		}
-		if src := img.Labels[pinning.LabelSource]; s.full && s.archives[src] != nil && s.noSpace(src) {
+		if src := img.Labels[pinning.LabelSource]; s.archives[src] != nil && noSpace(src) {
 			continue // its archive's new content waits for disk: the old one is still what it provides
 		}
 		return fmt.Sprintf("%s carries our pin (source %s) but nothing wants it", img.Name, img.Labels[pinning.LabelSource])
