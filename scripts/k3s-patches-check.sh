@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# Checks every series of patches/k3s without a k3s checkout (the k3s module is not served here):
-# SERIES names the k3s repo, the 40-hex commit the series was written against, its CLI and its
-# target files; the patches are numbered git format-patch mails 1/N..N/N that git parses, whose
-# targets are exactly the SERIES files; the files they add are gofmt-clean Go; every symbol they
-# use from this module exists. Then `make k3s` must fail fast, with a message, when it is given no
-# version or cannot reach the k3s repository.
+# make k3s-patches-check, without building k3s (make k3s-e2e builds and runs it):
+#  - every patches/k3s series: SERIES names the k3s repo, the 40-hex commit it was written against
+#    and its files; the patches are numbered git format-patch mails 1/N..N/N whose targets are
+#    exactly the SERIES files; added Go files are gofmt-clean and use only what this module
+#    exports; and the series applies (git apply --check) to every k3s tree in ../shared/k3s-src
+#    whose commit its SERIES lists under "lines:", and to one at least where there are trees;
+#  - patches/k3s-offline/k3s applies to every k3s tree there;
+#  - Dockerfile.k3s installs what k3s's own build environment (Dockerfile.dapper) installs to build
+#    k3s, and builds statically as k3s's CI does;
+#  - make k3s with K3S_VERSION and no network fails fast, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo=$(pwd)
 fail() { echo "FAIL  $*" >&2; exit 1; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+k3s_src=${K3S_SRC_DIR:-$repo/../shared/k3s-src}
+
+# The k3s trees here, unpacked once, as git repositories, keyed by the commit their README row names.
+declare -A trees
+for archive in "$k3s_src"/k3s-release-*.tar.gz; do
+  [ -f "$archive" ] || continue
+  name=$(basename "$archive" .tar.gz)
+  short=${name##*-}
+  mkdir -p "$tmp/$name"
+  tar -xzf "$archive" -C "$tmp/$name" --strip-components=1
+  (cd "$tmp/$name" && git init -q && git add -A && git -c user.email=x@x -c user.name=x commit -qm k3s)
+  trees[$short]=$tmp/$name
+done
+[ ${#trees[@]} -gt 0 ] || echo "note  no k3s archive in $k3s_src: series are checked for form only"
 
 for dir in patches/k3s/*/; do
   series=$(basename "$dir")
@@ -19,7 +38,6 @@ for dir in patches/k3s/*/; do
   commit=$(field k3s-commit)
   [[ "$commit" =~ ^[0-9a-f]{40}$ ]] || fail "$series: SERIES k3s-commit is not a commit: '$commit'"
   [[ "$commit" == "$series"* ]] || fail "$series: directory is not named by its commit $commit"
-  cli=$(field cli); [ -n "$cli" ] || fail "$series: SERIES names no cli"
   files=$(field files); [ -n "$files" ] || fail "$series: SERIES names no files"
   mapfile -t patches < <(ls "$dir"*.patch 2>/dev/null)
   total=${#patches[@]}
@@ -30,10 +48,8 @@ for dir in patches/k3s/*/; do
     [[ "$(basename "$p")" == $(printf '%04d' $n)-* ]] || fail "$p: not numbered $(printf '%04d' $n)"
     head -1 "$p" | grep -q '^From [0-9a-f]\{40\} ' || fail "$p: not a git format-patch mail"
     grep -q "^Subject: \[PATCH $n/$total\] " "$p" || fail "$p: subject is not [PATCH $n/$total]"
-    grep -q "$commit" "$p" || fail "$p: does not name the k3s commit $commit"
     git apply --numstat "$p" >/dev/null 2>"$tmp/err" || fail "$p: git cannot parse it: $(cat "$tmp/err")"
     while read -r _ _ f; do touched+=("$f"); done < <(git apply --numstat "$p")
-    # the files the patch adds, extracted and checked as Go
     mkdir -p "$tmp/new"
     awk -v out="$tmp/new" -v n="$n" '
       /^diff --git / { f = ""; newf = 0; next }
@@ -52,15 +68,49 @@ for dir in patches/k3s/*/; do
     done
   done
   rm -rf "$tmp/new"
-  echo "ok    $series: $total patches, $(echo $files | wc -w) files, k3s-io/k3s $commit ($cli)"
+  applied=()
+  for short in "${!trees[@]}"; do
+    grep -q "$short" <<<"$(field lines) $commit" || continue
+    (cd "${trees[$short]}" && git apply --check "$repo/$dir"*.patch 2>"$tmp/err") || fail "$series: does not apply to the k3s tree at $short, which its SERIES lists: $(cat "$tmp/err")"
+    applied+=("$short")
+  done
+  if [ ${#applied[@]} -gt 0 ]; then
+    echo "ok    $series: $total patches, applies to the k3s trees at ${applied[*]}"
+  elif [ ${#trees[@]} -gt 0 ]; then
+    fail "$series: applies to none of the k3s trees in $k3s_src (${!trees[*]}): a series is kept only for a k3s line it was written against and that can build the module"
+  else
+    echo "ok    $series: $total patches, well formed (no k3s tree here to apply it to)"
+  fi
 done
 
-# make k3s fails fast, saying what it needs.
+for short in "${!trees[@]}"; do
+  (cd "${trees[$short]}" && git apply --check "$repo"/patches/k3s-offline/k3s/*.patch 2>"$tmp/err") || fail "patches/k3s-offline/k3s does not apply to the k3s tree at $short: $(cat "$tmp/err")"
+  echo "ok    patches/k3s-offline/k3s applies to the k3s tree at $short"
+done
+
+# Dockerfile.k3s: what k3s's Dockerfile.dapper installs to build k3s (not its release, lint and
+# upload tools), and a static build.
+not_for_building="docker vim less curl wget npm python3 py3-pip pipx openssl-dev libffi-dev mingw-w64-gcc"
+for short in "${!trees[@]}"; do
+  dapper=${trees[$short]}/Dockerfile.dapper
+  [ -f "$dapper" ] || continue
+  pkgs=$(awk '/apk -U --no-cache add/{on=1} on{sub(/&&.*/, ""); print} on && !/\\$/{on=0}' "$dapper" | head -20 | tr ' \\' '\n\n' | grep -E '^[a-z0-9][a-z0-9.+-]*$' | grep -vE '^(apk|add|RUN|true|mingw-w64-gcc)$' | sort -u)
+  for pkg in $pkgs; do
+    [[ " $not_for_building " == *" $pkg "* ]] && continue
+    grep -qw -- "$pkg" Dockerfile.k3s || fail "Dockerfile.k3s does not install $pkg, which k3s's Dockerfile.dapper (tree at $short) installs to build k3s"
+  done
+  golang=$(sed -n 's/^ARG GOLANG=//p' "$dapper")
+  grep -q "ARG GOLANG=$golang" Dockerfile.k3s || echo "note  Dockerfile.k3s's GOLANG is not $golang, k3s's at $short (set --build-arg GOLANG for that line)"
+  grep -q 'STATIC_BUILD=true' Dockerfile.k3s || fail "Dockerfile.k3s does not build statically (STATIC_BUILD=true), as k3s's CI does"
+  echo "ok    Dockerfile.k3s installs what k3s's Dockerfile.dapper at $short installs to build k3s"
+done
+
+# make k3s for a release fails fast, saying what it needs, without network.
 start=$(date +%s)
-if out=$(make -s k3s 2>&1); then fail "make k3s without K3S_VERSION succeeded"; fi
-grep -q 'K3S_VERSION' <<<"$out" || fail "make k3s without K3S_VERSION: message does not name K3S_VERSION: $out"
-if out=$(K3S_REMOTE=https://127.0.0.1:9/k3s-io/k3s.git make -s k3s K3S_VERSION=v1.35.0+k3s1 2>&1); then fail "make k3s with an unreachable repository succeeded"; fi
-grep -q 'needs network access' <<<"$out" || fail "make k3s offline: message does not say it needs network access: $out"
+if out=$(K3S_SOURCE= bash scripts/build-k3s.sh 2>&1); then fail "make k3s without K3S_SOURCE or K3S_VERSION succeeded"; fi
+grep -q 'K3S_SOURCE' <<<"$out" || fail "make k3s without a source: message does not name K3S_SOURCE: $out"
+if out=$(K3S_REMOTE=https://127.0.0.1:9/k3s-io/k3s.git K3S_VERSION=v1.35.0+k3s1 bash scripts/build-k3s.sh 2>&1); then fail "make k3s with an unreachable repository succeeded"; fi
+grep -q 'needs network access' <<<"$out" || fail "make k3s K3S_VERSION=... offline: message does not say it needs network access: $out"
 took=$(( $(date +%s) - start ))
-[ "$took" -lt 60 ] || fail "make k3s took ${took} s to fail without a version or network"
-echo "ok    make k3s fails fast without K3S_VERSION and without network (${took} s)"
+[ "$took" -lt 60 ] || fail "make k3s took ${took} s to fail without a source or network"
+echo "ok    make k3s fails fast without a source, and for a release without network (${took} s)"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# make test: vet, then every test of the modules, make e2e, then make patches-check. Tests that need root
+# make test: vet, the cross-build check, every test of the modules, make e2e, make k3s-e2e (a real
+# k3s built with k3s-pinning, from ../shared/k3s-src), then make patches-check for the kubernetes
+# lines nothing else here compiles. Tests that need root
 # (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
 # Whatever fails, the end checks that no test left a containerd or a mount behind.
 set -euo pipefail
@@ -26,6 +28,12 @@ leaks() {
     echo "FAIL: a test left a kubelet (e2e-node) running" >&2
     rc=1
   fi
+  if pgrep -f 'k3s-build/.*/bin/k3s server' >/dev/null || [ -e /run/k3s ] || grep -q ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-' /proc/self/mounts; then
+    echo "FAIL: the k3s e2e left k3s, /run/k3s or a mount behind:" >&2
+    pgrep -af 'k3s-build/.*/bin/k3s server' >&2 || true
+    grep ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-' /proc/self/mounts >&2 || true
+    rc=1
+  fi
   [ $rc -eq 0 ] && echo "== all tests passed"
   exit $rc
 }
@@ -41,6 +49,9 @@ go vet ./...
 kubelet_work=$(build/kubelet-workspace.sh)
 (cd test/kubelet && GOWORK=$kubelet_work go vet -mod=vendor ./...)
 (cd test/e2e && GOWORK=$kubelet_work go vet -mod=vendor ./...)
+
+echo "== the packages k3s imports build for every platform k3s builds agents for"
+bash scripts/cross-check.sh
 
 echo "== module github.com/k3s-pinning/k3s-pinning"
 go test -count=1 -timeout 20m ./...
@@ -64,5 +75,10 @@ bash scripts/e2e.sh
 echo "== make k3s-patches-check (patches/k3s series well formed; make k3s fails fast offline)"
 bash scripts/k3s-patches-check.sh
 
-echo "== make patches-check"
-bash scripts/patches-check.sh
+echo "== make k3s-e2e (k3s built from ../shared/k3s-src with k3s-pinning, a real k3s node under real disk pressure)"
+bash scripts/k3s-e2e.sh
+
+# patches/kubernetes is compiled and run on kubernetes 1.34 inside the k3s above, and on 1.37 by
+# test/kubelet and make e2e; make patches-check (all four lines) stays for a longer run.
+echo "== make patches-check, lines 1.35 and 1.36"
+KUBERNETES_LINES="1.35 1.36" bash scripts/patches-check.sh

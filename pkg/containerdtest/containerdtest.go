@@ -1,6 +1,7 @@
 // Package containerdtest runs a private, real containerd (CRI on, NRI off) for tests and demos:
-// its own root, state and socket under a temp dir, built from the containerd module version this
-// module's go.mod pins, so the daemon and the client always match.
+// its own root, state and socket under a temp dir, built from the containerd version that
+// build/containerd/go.mod pins (a module of its own, so that the daemon never raises the versions
+// of the k3s-pinning module, whose client may be older: k3s decides the client's version).
 package containerdtest
 
 import (
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+
+	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	"testing"
 	"time"
 
@@ -50,6 +53,9 @@ func build() (Binaries, error) {
 	if err != nil {
 		return Binaries{}, err
 	}
+	// The daemon comes from its own module (build/containerd), not from the version of the client
+	// this module links: k3s imports this module, and a test fixture must not raise its versions.
+	root = filepath.Join(root, "build", "containerd")
 	out, err := goCmd(root, "list", "-m", "-f", "{{.Version}}", "github.com/containerd/containerd/v2")
 	if err != nil {
 		return Binaries{}, err
@@ -74,10 +80,10 @@ func build() (Binaries, error) {
 		return Binaries{}, err
 	}
 	defer lock.Close()
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+	if err := filelock.Lock(lock); err != nil {
 		return Binaries{}, err
 	}
-	defer syscall.Flock(int(lock.Fd()), syscall.LOCK_UN)
+	defer filelock.Unlock(lock)
 	if allExist(b.Containerd, b.Ctr, b.Shim) {
 		return b, nil
 	}
@@ -113,7 +119,7 @@ func allExist(paths ...string) bool {
 func goCmd(dir string, args ...string) (string, error) {
 	cmd := exec.Command("go", args...)
 	cmd.Dir = dir
-	// The root module's own go.mod decides the versions: not a workspace or vendor tree the caller
+	// The daemon module's own go.mod decides the versions: not a workspace or vendor tree the caller
 	// builds in (test/kubelet runs with GOWORK and -mod=vendor).
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off", "GOFLAGS=")
 	var stdout, stderr bytes.Buffer

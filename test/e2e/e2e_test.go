@@ -10,17 +10,10 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
-)
-
-var (
-	nodeBinOnce sync.Once
-	nodeBin     string
-	nodeBinErr  error
 )
 
 // report is one scenario's table.

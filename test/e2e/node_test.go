@@ -1,33 +1,24 @@
 package e2e_test
 
 import (
-	"archive/tar"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
-	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
-	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
-	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -53,21 +44,12 @@ var airgapRefs = []string{pauseRef, appRef, toolRef}
 // node is one e2e node: a loop-mounted imagefs, a private containerd on it, and e2e-node (the
 // agent and the kubelet in one process). Everything lives in dir; cleanup always runs.
 type node struct {
-	t         *testing.T
-	ctx       context.Context
-	dir       string
-	imagefs   string // mount point of the loop device
-	loop      string // the loop device
+	*host
 	imagesDir string
 	manifests string
 	daemon    *containerdtest.Daemon
-	client    *containerd.Client
-	images    runtimeapi.ImageServiceClient
-	runtime   runtimeapi.RuntimeServiceClient
 	port      int // the kubelet's read-only port, for /pods
-	log       string
 	kubelet   *exec.Cmd
-	exited    chan struct{}
 }
 
 // nodeOptions choose how the node loads its images and what protects them.
@@ -79,38 +61,29 @@ type nodeOptions struct {
 
 func newNode(t *testing.T, opts nodeOptions) *node {
 	t.Helper()
-	containerdtest.RequireRoot(t)
-	for _, tool := range []string{"runc", "mkfs.ext4", "losetup", "mount", "dd"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Fatalf("%s not found: the e2e needs runc (apt-get install runc), e2fsprogs and util-linux; .ci/run installs them", tool)
-		}
-	}
-	nodeBin := buildNode(t)
+	requireTools(t)
+	nodeBin := testBinary(t, "e2e-node")
 	dir, err := os.MkdirTemp("", "k3s-pinning-e2e-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace), 10*time.Minute)
-	n := &node{t: t, ctx: ctx, dir: dir, imagefs: filepath.Join(dir, "imagefs"), imagesDir: filepath.Join(dir, "images"),
-		manifests: filepath.Join(dir, "manifests"), log: filepath.Join(dir, "node.log")}
+	n := &node{host: &host{t: t, ctx: ctx, dir: dir, imagefs: filepath.Join(dir, "imagefs"), log: filepath.Join(dir, "node.log")},
+		imagesDir: filepath.Join(dir, "images"), manifests: filepath.Join(dir, "manifests")}
 	t.Cleanup(func() { n.cleanup(); cancel() })
-	for _, d := range []string{n.imagefs, n.imagesDir, n.manifests, filepath.Join(dir, "hand"), filepath.Join(dir, "kubelet"), filepath.Join(dir, "pod-logs")} {
+	for _, d := range []string{n.manifests, filepath.Join(dir, "kubelet"), filepath.Join(dir, "pod-logs")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
-	n.mountImagefs()
-	n.writeArchives()
+	n.mountImagefs(imagefsSize)
+	hand := n.writeArchives(imageSet{pause: pauseRef, app: appRef, tool: toolRef, hand: []string{unwantedRef}}, n.imagesDir, filepath.Join(dir, "hand"), testBinary(t, "sleeper"))
 	n.daemon, err = containerdtest.Start(ctx, dir, containerdtest.Options{Root: filepath.Join(n.imagefs, "containerd"), SandboxImage: pauseRef})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n.client, err = n.daemon.Client(); err != nil {
-		t.Fatal(err)
-	}
-	conn := n.client.Conn().(*grpc.ClientConn)
-	n.images, n.runtime = runtimeapi.NewImageServiceClient(conn), runtimeapi.NewRuntimeServiceClient(conn)
-	n.ctrImport(filepath.Join(dir, "hand", "unwanted.tar"))
+	n.connect(n.daemon.Address)
+	n.ctrImport(hand[0])
 	if opts.imported {
 		for _, f := range []string{"airgap-images.tar", "tools.tar.zst"} {
 			n.ctrImport(filepath.Join(n.imagesDir, f))
@@ -121,111 +94,35 @@ func newNode(t *testing.T, opts nodeOptions) *node {
 	return n
 }
 
-// buildNode builds e2e-node (the kubelet and the agent) once per test binary, from the
-// vendored, patched tree the test itself is built from (GOWORK, -mod=vendor).
-func buildNode(t *testing.T) string {
+// testBinary builds ./cmd/<name> of this module (e2e-node: the kubelet and the agent; sleeper)
+// once per test binary, from the vendored, patched tree the test itself is built from (GOWORK,
+// -mod=vendor), into the user cache dir.
+func testBinary(t *testing.T, name string) string {
 	t.Helper()
-	nodeBinOnce.Do(func() {
-		cache, err := os.UserCacheDir()
-		if err != nil {
-			nodeBinErr = err
-			return
-		}
-		nodeBin = filepath.Join(cache, "k3s-pinning", "e2e", "e2e-node")
-		for _, cmd := range []string{"e2e-node", "sleeper"} {
-			out, err := exec.Command("go", "build", "-mod=vendor", "-o", filepath.Join(filepath.Dir(nodeBin), cmd), "./cmd/"+cmd).CombinedOutput()
-			if err != nil {
-				nodeBinErr = fmt.Errorf("go build ./cmd/%s: %v\n%s", cmd, err, out)
-				return
-			}
-		}
-	})
-	if nodeBinErr != nil {
-		t.Fatal(nodeBinErr)
+	builtBinaries.Lock()
+	defer builtBinaries.Unlock()
+	if path, ok := builtBinaries.paths[name]; ok {
+		return path
 	}
-	return nodeBin
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(cache, "k3s-pinning", "e2e", name)
+	if out, err := exec.Command("go", "build", "-mod=vendor", "-o", path, "./cmd/"+name).CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/%s: %v\n%s", name, err, out)
+	}
+	builtBinaries.paths[name] = path
+	return path
 }
 
-// mountImagefs puts a fresh ext4 on a loop device at n.imagefs.
-func (n *node) mountImagefs() {
-	img := filepath.Join(n.dir, "imagefs.img")
-	f, err := os.Create(img)
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	f.Truncate(imagefsSize)
-	f.Close()
-	n.run("mkfs.ext4", "-q", "-m", "0", "-F", img)
-	n.loop = strings.TrimSpace(n.run("losetup", "-f", "--show", img))
-	n.run("mount", n.loop, n.imagefs)
-}
-
-func (n *node) run(name string, args ...string) string {
-	n.t.Helper()
-	out, err := exec.Command(name, args...).CombinedOutput()
-	if err != nil {
-		n.t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
-	}
-	return string(out)
-}
+var builtBinaries = struct {
+	sync.Mutex
+	paths map[string]string
+}{paths: map[string]string{}}
 
 func (n *node) ctrImport(path string) {
 	n.run(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", pinning.DefaultNamespace, "images", "import", path)
-}
-
-// writeArchives writes the images dir (a docker archive and a zstd OCI archive) and the hand
-// import. Every image but the unwanted one runs the sleeper; sizes are random bytes, so that
-// each costs its size twice on the imagefs (content and snapshot).
-func (n *node) writeArchives() {
-	sleeper := sleeperLayer(n.t, filepath.Join(filepath.Dir(nodeBin), "sleeper"))
-	mk := func(size int64, runs bool) v1.Image {
-		img, err := imagetest.Image(size, imagetest.Amd64)
-		if err != nil {
-			n.t.Fatal(err)
-		}
-		if !runs {
-			return img
-		}
-		if img, err = mutate.AppendLayers(img, sleeper); err != nil {
-			n.t.Fatal(err)
-		}
-		cfg, err := img.ConfigFile()
-		if err != nil {
-			n.t.Fatal(err)
-		}
-		cfg.Config.Entrypoint = []string{"/sleeper"}
-		if img, err = mutate.ConfigFile(img, cfg); err != nil {
-			n.t.Fatal(err)
-		}
-		return img
-	}
-	if err := imagetest.WriteDocker(filepath.Join(n.imagesDir, "airgap-images.tar"), map[string]v1.Image{pauseRef: mk(64<<10, true), appRef: mk(24<<20, true)}); err != nil {
-		n.t.Fatal(err)
-	}
-	if err := imagetest.WriteOCI(filepath.Join(n.imagesDir, "tools.tar.zst"), map[string]any{toolRef: mk(24<<20, true)}); err != nil {
-		n.t.Fatal(err)
-	}
-	if err := imagetest.WriteDocker(filepath.Join(n.dir, "hand", "unwanted.tar"), map[string]v1.Image{unwantedRef: mk(32<<20, false)}); err != nil {
-		n.t.Fatal(err)
-	}
-}
-
-// sleeperLayer is a layer holding the static sleeper binary as /sleeper.
-func sleeperLayer(t *testing.T, bin string) v1.Layer {
-	data, err := os.ReadFile(bin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	tw.WriteHeader(&tar.Header{Name: "sleeper", Mode: 0o755, Size: int64(len(data)), Typeflag: tar.TypeReg})
-	tw.Write(data)
-	tw.Close()
-	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf.Bytes())), nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	return layer
 }
 
 // writeManifest puts the static pod's manifest (back) in place.
@@ -324,16 +221,7 @@ func (n *node) cleanup() {
 	if n.kubelet != nil {
 		containerdtest.Terminate(n.kubelet.Process, n.exited, 10*time.Second)
 	}
-	if n.runtime != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		if resp, err := n.runtime.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{}); err == nil {
-			for _, sb := range resp.Items {
-				n.runtime.StopPodSandbox(ctx, &runtimeapi.StopPodSandboxRequest{PodSandboxId: sb.Id})
-				n.runtime.RemovePodSandbox(ctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: sb.Id})
-			}
-		}
-		cancel()
-	}
+	n.stopPods()
 	if n.client != nil {
 		n.client.Close()
 	}
@@ -343,62 +231,8 @@ func (n *node) cleanup() {
 	if n.t.Failed() {
 		n.t.Logf("node log (%s), last lines:\n%s", n.log, lastLines(n.log, 40))
 	}
-	containerdtest.UnmountUnder(n.dir)
-	if n.loop != "" {
-		exec.Command("losetup", "-d", n.loop).Run()
-	}
-	// cgroups the kubelet made (cgroupfs driver); rmdir removes only empty ones, deepest first
-	dirs, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods")
-	if more, _ := filepath.Glob("/sys/fs/cgroup/kubepods"); len(more) > 0 {
-		dirs = append(dirs, more...)
-	}
-	for _, d := range dirs {
-		exec.Command("find", d, "-depth", "-type", "d", "-exec", "rmdir", "{}", ";").Run()
-	}
+	n.releaseMounts()
 	os.RemoveAll(n.dir)
-}
-
-func lastLines(path string, count int) string {
-	data, _ := os.ReadFile(path)
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > count {
-		lines = lines[len(lines)-count:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-// await polls cond every 200 ms until it holds or d passes, and returns how long it took.
-func (n *node) await(d time.Duration, what string, cond func() bool) time.Duration {
-	n.t.Helper()
-	start := time.Now()
-	for !cond() {
-		select {
-		case <-n.exited:
-			n.t.Fatalf("e2e-node exited while waiting for %s", what)
-		default:
-		}
-		if time.Since(start) > d {
-			n.t.Fatalf("not within %s: %s", d, what)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
-// present lists which of refs containerd holds.
-func (n *node) present(refs ...string) map[string]bool {
-	out := map[string]bool{}
-	for _, ref := range refs {
-		_, err := n.client.ImageService().Get(n.ctx, ref)
-		out[ref] = err == nil
-	}
-	return out
-}
-
-// criPinned says whether the CRI, as the kubelet lists images, reports ref pinned.
-func (n *node) criPinned(ref string) bool {
-	resp, err := n.images.ImageStatus(n.ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
-	return err == nil && resp.GetImage().GetPinned()
 }
 
 // podState is the static pod's container state as the kubelet reports it on /pods: "Running",
@@ -449,19 +283,7 @@ func (n *node) appContainers() int {
 
 // pressure fills the imagefs until 20 MiB less than the eviction threshold is available, and
 // returns the file to remove to release it.
-func (n *node) pressure() string {
-	var st syscall.Statfs_t
-	if err := syscall.Statfs(n.imagefs, &st); err != nil {
-		n.t.Fatal(err)
-	}
-	avail := int64(st.Bavail) * st.Bsize
-	fill := avail - (evictionThreshold - 20<<20)
-	path := filepath.Join(n.imagefs, "pressure.bin")
-	if fill > 0 {
-		n.run("dd", "if=/dev/zero", "of="+path, "bs=1M", fmt.Sprintf("count=%d", fill>>20), "conv=fsync", "status=none")
-	}
-	return path
-}
+func (n *node) pressure() string { return n.fill(evictionThreshold - 20<<20) }
 
 // stripPins removes every pin label from every image: a runtime that lost them.
 func (n *node) stripPins() {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
@@ -32,7 +33,14 @@ type K3sConfig struct {
 // it no longer provides is cleared, as k3s does at start. The Keeper is the kubelet image GC
 // filter's keep-decision; register it before the kubelet starts. stopped is closed once the agent
 // has stopped after ctx ended.
+//
+// On Windows it returns an error that matches errors.ErrUnsupported, before touching anything: the
+// package builds there (k3s builds Windows agents), but it has not been run on a Windows node, so
+// the patched k3s leaves agent/images to its own import.
 func StartK3s(ctx context.Context, cfg K3sConfig, opts *K3sOptions) (keeper *Keeper, stopped <-chan struct{}, err error) {
+	if runtime.GOOS == "windows" {
+		return nil, nil, fmt.Errorf("k3s-pinning: not supported on windows: %w", errors.ErrUnsupported)
+	}
 	if !opts.Enabled() {
 		return nil, nil, fmt.Errorf("k3s-pinning: --disable-image-pinning is set; k3s imports the images dir itself")
 	}

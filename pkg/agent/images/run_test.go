@@ -332,7 +332,7 @@ func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer filler.Close()
-	if err := syscall.Fallocate(int(filler.Fd()), 0, 0, int64(st.Bavail)*st.Bsize-16<<10); err != nil {
+	if err := syscall.Fallocate(int(filler.Fd()), 0, 0, int64(st.Bavail)*int64(st.Bsize)-16<<10); err != nil {
 		t.Fatal(err)
 	}
 	err = a.Sync(n.ctx).Err()

@@ -9,10 +9,11 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"time"
 
 	"github.com/opencontainers/go-digest"
+
+	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 )
 
 // DefaultStateFile is outside the images dir: k3s must not try to load it as an archive.
@@ -144,7 +145,7 @@ func lockDir(dir string) (unlock func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+	if err := filelock.Lock(f); err != nil {
 		f.Close()
 		return nil, err
 	}

@@ -463,7 +463,7 @@ func (s *soak) fill() (string, error) {
 		return "", err
 	}
 	leave := int64(128 << 10)
-	size := int64(st.Bavail)*st.Bsize - leave
+	size := int64(st.Bavail)*int64(st.Bsize) - leave
 	if size <= 0 {
 		return "containerd root (already full)", nil
 	}

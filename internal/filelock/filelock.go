@@ -1,0 +1,12 @@
+// Package filelock takes an exclusive advisory lock on an open file, portably (flock on Unix,
+// LockFileEx on Windows, whose agents k3s also builds). The lock goes with the file: closing it,
+// or the death of the process that holds it, releases it.
+package filelock
+
+import "os"
+
+// Lock blocks until f is exclusively locked by this process.
+func Lock(f *os.File) error { return lock(f) }
+
+// Unlock releases the lock Lock took; closing f does too.
+func Unlock(f *os.File) error { return unlock(f) }

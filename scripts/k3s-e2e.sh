@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# make k3s-e2e: build k3s with k3s-pinning in it (make k3s, from K3S_SOURCE, by default the newest
+# k3s line in ../shared/k3s-src), then run a real k3s node through the scenarios of
+# test/e2e/k3s_test.go, with pinning and with --disable-image-pinning, and print their table.
+# Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+source=${K3S_SOURCE:-$(ls "$repo"/../shared/k3s-src/k3s-release-*.tar.gz 2>/dev/null | sort -V | tail -1)}
+[ -n "$source" ] || { echo "make k3s-e2e: no K3S_SOURCE and no k3s archive in ../shared/k3s-src" >&2; exit 1; }
+start=$(date +%s)
+bin=$(K3S_SOURCE=$source bash scripts/build-k3s.sh | tail -1)
+echo "== make k3s: $(( $(date +%s) - start )) s"
+export K3S_E2E_BIN=$(dirname "$bin")
+work=$(build/kubelet-workspace.sh)
+cd test/e2e
+GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run '^TestK3sNode$' .

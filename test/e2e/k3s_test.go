@@ -1,0 +1,812 @@
+package e2e_test
+
+// A real k3s node: the k3s binary that make k3s built with k3s-pinning in it (K3S_E2E_BIN, its
+// bin dir), run as `k3s server` on a single node (sqlite; the bundled components that need images
+// disabled; no CNI, so pods use the host network and tolerate the not-ready taint), its containerd
+// root on a loop-mounted ext4. Each scenario runs twice, with pinning and with
+// --disable-image-pinning (stock k3s), and prints one table for both.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/typeurl/v2"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// k3s's containerd socket and state: fixed paths, whatever --data-dir says.
+const (
+	k3sContainerdSocket = "/run/k3s/containerd/containerd.sock"
+	k3sRunDir           = "/run/k3s"
+)
+
+// k3sHostPaths are the paths outside its data dir that a k3s server creates here (seen on these
+// VMs): its state under /run, the node password, the kubeconfig link, the kubelet's device-plugin
+// dir and pod logs. The cleanup removes those that did not exist before the node started.
+var k3sHostPaths = []string{k3sRunDir, "/etc/rancher/k3s", "/etc/rancher/node", "/etc/rancher", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers"}
+
+// The k3s node's images: the pause image under k3s's default name (the k3s 2961 report's case),
+// the app a Deployment runs, a tool nobody runs; hand imports: one nobody wants, and one named by
+// --pinned-images for each way of giving it (command line, config.yaml, K3S_PINNED_IMAGES).
+const (
+	k3sPauseRef   = "docker.io/rancher/mirrored-pause:3.6"
+	k3sAppRef     = "airgap.example/k3s/app:1.0"
+	k3sToolRef    = "airgap.example/k3s/tool:1.0"
+	handCLIRef    = "registry.example/hand/cli:1.0"
+	handConfigRef = "registry.example/hand/config:1.0"
+	handEnvRef    = "registry.example/hand/env:1.0"
+
+	k3sNodeName = "k3s-e2e"
+	k3sAppName  = "airgap-app"
+	// k3sImagefsSize holds the images (about 160 MiB with snapshots) and the pressure file; the
+	// kubelet's imagefs.available threshold is evictionThreshold, as on the e2e node.
+	k3sImagefsSize = 480 << 20
+)
+
+var (
+	k3sAirgapRefs = []string{k3sPauseRef, k3sAppRef, k3sToolRef}
+	k3sHandRefs   = []string{unwantedRef, handCLIRef, handConfigRef, handEnvRef}
+)
+
+// k3sBinDir is make k3s's bin dir (k3s, its multicall links, the containerd shim).
+func k3sBinDir(t *testing.T) string {
+	t.Helper()
+	dir := os.Getenv("K3S_E2E_BIN")
+	if dir == "" {
+		t.Skip("*** SKIPPED: K3S_E2E_BIN is not set: make k3s-e2e (and make test) build k3s from ../shared/k3s-src and set it ***")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "k3s")); err != nil {
+		t.Fatalf("K3S_E2E_BIN=%s: %v", dir, err)
+	}
+	return dir
+}
+
+// k3sNode is one k3s server node; start and stop run the same data dir again.
+type k3sNode struct {
+	*host
+	bin       string // make k3s's bin dir
+	pinning   bool   // false: --disable-image-pinning
+	data      string // --data-dir
+	imagesDir string
+	hand      []string // hand-import archives, in k3sHandRefs' order
+	cmd       *exec.Cmd
+	starts    int
+	// seenUnpinned lists the air-gap images containerd's events showed without the CRI pin.
+	mu           sync.Mutex
+	seenUnpinned []string
+	stopEvents   func()
+}
+
+func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
+	t.Helper()
+	requireTools(t)
+	if conn, err := os.Stat(k3sContainerdSocket); err == nil && conn.Mode()&os.ModeSocket != 0 {
+		if out, _ := exec.Command("pgrep", "-f", "k3s server").Output(); len(out) > 0 {
+			t.Fatalf("a k3s server is already running on this machine (%s): the e2e needs k3s's fixed paths", strings.TrimSpace(string(out)))
+		}
+	}
+	var created []string // k3sHostPaths absent now: the cleanup removes them
+	for _, p := range k3sHostPaths {
+		if _, err := os.Lstat(p); errors.Is(err, os.ErrNotExist) {
+			created = append(created, p)
+		}
+	}
+	dir, err := os.MkdirTemp("", "k3s-pinning-k3s-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := filepath.Join(dir, "data")
+	n := &k3sNode{
+		host:      &host{t: t, ctx: namespaces.WithNamespace(t.Context(), pinning.DefaultNamespace), dir: dir, imagefs: filepath.Join(data, "agent", "containerd")},
+		bin:       bin,
+		pinning:   withPinning,
+		data:      data,
+		imagesDir: filepath.Join(data, "agent", "images"),
+	}
+	t.Cleanup(func() { n.cleanup(created) })
+	n.mountImagefs(k3sImagefsSize)
+	n.hand = n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(dir, "hand"), testBinary(t, "sleeper"))
+	// k3s keeps its import cache across restarts once this file exists (k3s issue 14265).
+	if err := os.WriteFile(filepath.Join(n.imagesDir, ".cache.json"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	n.writeFile(filepath.Join(data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), k3sContainerdTemplate)
+	n.writeFile(filepath.Join(data, "agent", "etc", "kubelet.conf.d", "50-k3s-pinning-e2e.conf"), fmt.Sprintf(k3sKubeletDropIn, evictionThreshold>>20))
+	return n
+}
+
+// k3sContainerdTemplate is k3s's containerd config for this VM: as k3s's own v3 template, with
+// restrict_oom_score_adj (runc cannot write oom_score_adj without CAP_SYS_RESOURCE here) and NRI
+// off (see ../shared/reference/e2e-diskpressure).
+const k3sContainerdTemplate = `version = 3
+root = {{ printf "%q" .NodeConfig.Containerd.Root }}
+state = {{ printf "%q" .NodeConfig.Containerd.State }}
+
+[grpc]
+  address = {{ deschemify .NodeConfig.Containerd.Address | printf "%q" }}
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = {{ printf "%q" .NodeConfig.Containerd.Opt }}
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "10010"
+
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  disable_snapshot_annotations = true
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = "{{ .NodeConfig.AgentConfig.PauseImage }}"
+
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+  SystemdCgroup = {{ .SystemdCgroup }}
+
+[plugins.'io.containerd.cri.v1.images'.registry]
+  config_path = {{ printf "%q" .NodeConfig.Containerd.Registry }}
+`
+
+// k3sKubeletDropIn is a kubelet config drop-in beside k3s's own: cgroup v1 allowed (this VM), and
+// an imagefs eviction threshold that dd can cross on the small loop device.
+const k3sKubeletDropIn = `apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+evictionHard:
+  memory.available: "100Mi"
+  nodefs.available: "1%%"
+  nodefs.inodesFree: "1%%"
+  imagefs.available: "%dMi"
+  imagefs.inodesFree: "1%%"
+evictionPressureTransitionPeriod: 5s
+imageMinimumGCAge: 1s
+`
+
+func (n *k3sNode) writeFile(path, content string) {
+	n.t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		n.t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		n.t.Fatal(err)
+	}
+}
+
+// k3sServerArgs are the arguments of every start: a single node whose bundled components that need
+// images are off (their images are not in the images dir), no CNI, kubelet state in the test dir.
+func (n *k3sNode) k3sServerArgs() []string {
+	args := []string{"server", "--data-dir", n.data, "--node-name", k3sNodeName,
+		"--write-kubeconfig", filepath.Join(n.dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
+		"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
+		"--disable-network-policy", "--disable-kube-proxy", "--disable-cloud-controller", "--disable-helm-controller",
+		"--flannel-backend", "none", "--kubelet-arg", "root-dir=" + filepath.Join(n.dir, "kubelet")}
+	if !n.pinning {
+		args = append(args, "--disable-image-pinning")
+	}
+	return args
+}
+
+// start runs `k3s server` with the common arguments and extra, with env added, and waits until
+// the node is registered, containerd answers, and agent/images is loaded.
+func (n *k3sNode) start(extra []string, env ...string) {
+	n.t.Helper()
+	n.starts++
+	n.log = filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts))
+	logFile, err := os.Create(n.log)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(n.bin, "k3s"), append(n.k3sServerArgs(), extra...)...)
+	cmd.Env = append(os.Environ(), append([]string{"PATH=" + n.bin + ":" + os.Getenv("PATH")}, env...)...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		n.t.Fatal(err)
+	}
+	n.cmd, n.exited = cmd, make(chan struct{})
+	exited := n.exited
+	go func() { cmd.Wait(); logFile.Close(); close(exited) }()
+	n.await(3*time.Minute, "containerd of k3s answering", func() bool {
+		if n.client != nil {
+			return true
+		}
+		if _, err := os.Stat(k3sContainerdSocket); err != nil {
+			return false
+		}
+		n.connect(k3sContainerdSocket)
+		return true
+	})
+	n.await(3*time.Minute, "the node registered", func() bool { return n.kubectlOK("get", "node", k3sNodeName) })
+	n.await(2*time.Minute, "agent/images loaded", func() bool {
+		got := n.present(k3sAirgapRefs...)
+		return got[k3sPauseRef] && got[k3sAppRef] && got[k3sToolRef]
+	})
+}
+
+// stop stops k3s (SIGTERM, as systemd does) and waits for it; pods keep running, as on a real
+// restart.
+func (n *k3sNode) stop() {
+	n.t.Helper()
+	if n.cmd == nil {
+		return
+	}
+	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+	n.cmd = nil
+	if n.client != nil {
+		n.client.Close()
+		n.client = nil
+	}
+}
+
+// cleanup stops everything the node started, whatever state the test left it in: the pods (their
+// shims), k3s and its containerd, the mounts below the test dir and /run/k3s, the loop device,
+// the kubelet's cgroups, and the host paths k3s created (those in created), the app's pod logs.
+func (n *k3sNode) cleanup(created []string) {
+	if n.stopEvents != nil {
+		n.stopEvents()
+	}
+	if n.cmd == nil && n.client == nil {
+		if _, err := os.Stat(k3sContainerdSocket); err == nil {
+			n.connect(k3sContainerdSocket)
+		}
+	}
+	n.stopPods()
+	if n.t.Failed() && n.log != "" {
+		n.t.Logf("k3s log (%s), last lines:\n%s", n.log, lastLines(n.log, 60))
+	}
+	if n.cmd != nil {
+		containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+	}
+	if n.client != nil {
+		n.client.Close()
+	}
+	// Shims of pods that outlived k3s (k3s leaves them running by design: k3s-killall.sh stops them).
+	exec.Command("pkill", "-9", "-f", "containerd-shim-runc-v2 -namespace k8s.io .* -address "+k3sContainerdSocket).Run()
+	containerdtest.UnmountUnder(k3sRunDir)
+	n.releaseMounts()
+	for _, p := range created {
+		os.RemoveAll(p)
+	}
+	for _, pattern := range []string{"/var/log/pods/default_" + k3sAppName + "-*", "/var/log/containers/" + k3sAppName + "-*"} {
+		logs, _ := filepath.Glob(pattern)
+		for _, p := range logs {
+			os.RemoveAll(p)
+		}
+	}
+	os.RemoveAll(n.dir)
+}
+
+func (n *k3sNode) kubectl(args ...string) (string, error) {
+	cmd := exec.Command(filepath.Join(n.bin, "kubectl"), append([]string{"--kubeconfig", filepath.Join(n.dir, "kubeconfig")}, args...)...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func (n *k3sNode) kubectlOK(args ...string) bool {
+	_, err := n.kubectl(args...)
+	return err == nil
+}
+
+func (n *k3sNode) mustKubectl(args ...string) string {
+	n.t.Helper()
+	out, err := n.kubectl(args...)
+	if err != nil {
+		n.t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// k3sTool runs k3s's ctr or crictl: the multicall binary under that name, which is what `k3s ctr`
+// and `k3s crictl` of a release k3s exec (its outer wrapper runs them from its data dir; make k3s
+// builds the inner binary, whose own `ctr` subcommand would see "ctr" as its first argument).
+func (n *k3sNode) k3sTool(name string, args ...string) string {
+	n.t.Helper()
+	cmd := exec.Command(filepath.Join(n.bin, name), args...)
+	cmd.Env = append(os.Environ(), "PATH="+n.bin+":"+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		n.t.Fatalf("k3s %s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// handImport imports the hand archives with k3s's `ctr images import`, as an operator would.
+func (n *k3sNode) handImport() {
+	for _, archive := range n.hand {
+		n.k3sTool("ctr", "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive)
+	}
+}
+
+// deployApp runs the app as a Deployment (so that an evicted pod is replaced): host network, the
+// image from the images dir only (imagePullPolicy: Never), tolerating the not-ready taint of a
+// node without CNI.
+func (n *k3sNode) deployApp() {
+	n.t.Helper()
+	manifest := fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata: {name: %[1]s, namespace: default}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+      hostNetwork: true
+      terminationGracePeriodSeconds: 1
+      tolerations: [{key: node.kubernetes.io/not-ready, operator: Exists}]
+      containers:
+      - {name: app, image: %[2]s, imagePullPolicy: Never}
+`, k3sAppName, k3sAppRef)
+	path := filepath.Join(n.dir, "app.yaml")
+	n.writeFile(path, manifest)
+	n.await(2*time.Minute, "the default service account (kubectl apply needs it for pods)", func() bool { return n.kubectlOK("get", "serviceaccount", "default") })
+	n.mustKubectl("apply", "-f", path)
+}
+
+// appPods summarizes the app's pods as kubectl shows them: "Running", the reason a container
+// waits (ErrImageNeverPull), "Evicted", "Pending".
+func (n *k3sNode) appPods() []string {
+	out, err := n.kubectl("get", "pods", "-l", "app="+k3sAppName, "-o", "json")
+	if err != nil {
+		return []string{"kubectl: " + strings.TrimSpace(out)}
+	}
+	var pods corev1.PodList
+	if err := json.Unmarshal([]byte(out), &pods); err != nil {
+		return []string{"bad pod list: " + err.Error()}
+	}
+	var states []string
+	for _, pod := range pods.Items {
+		state := string(pod.Status.Phase)
+		if pod.Status.Reason != "" {
+			state = pod.Status.Reason
+		}
+		for _, c := range pod.Status.ContainerStatuses {
+			switch {
+			case c.State.Running != nil:
+				state = "Running"
+			case c.State.Waiting != nil && c.State.Waiting.Reason != "":
+				state = c.State.Waiting.Reason
+			}
+		}
+		states = append(states, state)
+	}
+	slices.Sort(states)
+	return states
+}
+
+func (n *k3sNode) appRunning() bool { return slices.Contains(n.appPods(), "Running") }
+
+// watchPins follows containerd's image events from the moment its socket answers (k3s restarts
+// it) and records every air-gap image an event shows without the CRI pin; after subscribing, it
+// also checks the images as they are.
+func (n *k3sNode) watchPins() {
+	ctx, cancel := context.WithCancel(n.ctx)
+	done := make(chan struct{})
+	n.stopEvents = func() { cancel(); <-done }
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			client, err := containerd.New(k3sContainerdSocket, containerd.WithTimeout(time.Second))
+			if err != nil {
+				time.Sleep(20 * time.Millisecond)
+				continue
+			}
+			events, errs := client.EventService().Subscribe(ctx, `topic~="/images/"`)
+			for _, ref := range k3sAirgapRefs {
+				if img, err := client.ImageService().Get(ctx, ref); err == nil && img.Labels[pinning.LabelPinned] != pinning.PinnedValue {
+					n.sawUnpinned(ref + " (listed)")
+				}
+			}
+			for running := true; running; {
+				select {
+				case env := <-events:
+					ev, err := typeurl.UnmarshalAny(env.Event)
+					if err != nil {
+						continue
+					}
+					var name string
+					var labels map[string]string
+					switch e := ev.(type) {
+					case *eventstypes.ImageCreate:
+						name, labels = e.Name, e.Labels
+					case *eventstypes.ImageUpdate:
+						name, labels = e.Name, e.Labels
+					default:
+						continue
+					}
+					if slices.Contains(k3sAirgapRefs, name) && labels[pinning.LabelPinned] != pinning.PinnedValue {
+						n.sawUnpinned(name + " (" + env.Topic + ")")
+					}
+				case <-errs:
+					running = false
+				case <-ctx.Done():
+					running = false
+				}
+			}
+			client.Close()
+		}
+	}()
+}
+
+func (n *k3sNode) sawUnpinned(what string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !slices.Contains(n.seenUnpinned, what) {
+		n.seenUnpinned = append(n.seenUnpinned, what)
+	}
+}
+
+// digest is the manifest digest containerd holds for ref, or "".
+func (n *k3sNode) digest(ref string) string {
+	img, err := n.client.ImageService().Get(n.ctx, ref)
+	if err != nil {
+		return ""
+	}
+	return img.Target.Digest.String()
+}
+
+// k3sReport is one mode's column of the table.
+type k3sReport struct {
+	afterStart          map[string]bool // CRI pinned after the first start (air-gap and hand imports)
+	afterRestart        map[string]bool // CRI pinned after the restart with .cache.json
+	presentAfterRestart map[string]bool // present a minute after the restart
+	appAfterRestart     string          // the app's pods a minute after the restart
+	seenUnpinned        []string        // pinning mode: air-gap images containerd's events showed unpinned
+	evicted             bool            // the app's pod was evicted under pressure
+	afterPressure       map[string]bool // present after the kubelet's reclaim
+	appAfter            string          // the app's pods once the pressure is gone
+	rmiBack             string          // 2961: the pause image after crictl rmi
+	policy              map[string]bool // pinned: the hand import named each way
+	doctorExit          int
+	reclaimDuration     time.Duration
+}
+
+func yesNo(b bool, yes, no string) string {
+	if b {
+		return yes
+	}
+	return no
+}
+
+func printK3sTable(with, stock *k3sReport) {
+	var b strings.Builder
+	row := func(what, a, s string) { fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, a, s) }
+	b.WriteString("\n---- k3s e2e: the patched k3s, with k3s-pinning and with --disable-image-pinning (stock k3s)\n")
+	row("", "WITH K3S-PINNING", "--disable-image-pinning")
+	for _, ref := range k3sAirgapRefs {
+		row("pinned after first start: "+ref, yesNo(with.afterStart[ref], "pinned", "UNPINNED"), yesNo(stock.afterStart[ref], "pinned", "UNPINNED"))
+	}
+	for _, ref := range k3sAirgapRefs {
+		row("14265 pinned after restart (.cache.json): "+ref, yesNo(with.afterRestart[ref], "pinned", "UNPINNED"), yesNo(stock.afterRestart[ref], "pinned", "UNPINNED"))
+	}
+	row("14265 air-gap images seen unpinned (events)", fmt.Sprint(len(with.seenUnpinned)), "-")
+	for _, ref := range k3sAirgapRefs {
+		row("14265 present a minute after the restart: "+ref, yesNo(with.presentAfterRestart[ref], "present", "DELETED"), yesNo(stock.presentAfterRestart[ref], "present", "DELETED"))
+	}
+	row("14265 app pods a minute after the restart", with.appAfterRestart, stock.appAfterRestart)
+	row("10209 app pod evicted under disk pressure", yesNo(with.evicted, "evicted", "not evicted"), yesNo(stock.evicted, "evicted", "not evicted"))
+	for _, ref := range append(slices.Clone(k3sAirgapRefs), unwantedRef) {
+		row("10209 present after the kubelet's reclaim: "+ref, yesNo(with.afterPressure[ref], "present", "DELETED"), yesNo(stock.afterPressure[ref], "present", "DELETED"))
+	}
+	row("10209 app pods after the pressure", with.appAfter, stock.appAfter)
+	row("2961 pause image after crictl rmi", with.rmiBack, stock.rmiBack)
+	for _, way := range []string{"command line", "config.yaml", "K3S_PINNED_IMAGES"} {
+		row("hand import named by --pinned-images ("+way+")", yesNo(with.policy[way], "pinned", "UNPINNED"), "-")
+	}
+	row("k3s-pinning doctor exit code", fmt.Sprint(with.doctorExit), "-")
+	fmt.Fprint(os.Stdout, b.String())
+}
+
+var k3sReports struct {
+	sync.Mutex
+	with, stock *k3sReport
+}
+
+func recordK3sReport(withPinning bool, r *k3sReport) {
+	k3sReports.Lock()
+	defer k3sReports.Unlock()
+	if withPinning {
+		k3sReports.with = r
+	} else {
+		k3sReports.stock = r
+	}
+	if k3sReports.with != nil && k3sReports.stock != nil {
+		printK3sTable(k3sReports.with, k3sReports.stock)
+	}
+}
+
+func (n *k3sNode) pins(refs ...string) map[string]bool {
+	out := map[string]bool{}
+	for _, ref := range refs {
+		out[ref] = n.criPinned(ref)
+	}
+	return out
+}
+
+// pressureEvictReclaim is k3s issue 10209: the imagefs is filled past the eviction threshold by
+// more than the unpinned images can free, so the kubelet reclaims every image it may and evicts
+// the app's pod; then the pressure goes, and the Deployment's new pod must start from the image.
+// It records what happened; the caller asserts what its mode promises.
+func (n *k3sNode) pressureEvictReclaim(r *k3sReport) {
+	n.t.Helper()
+	wasRunning := n.appRunning()
+	start := time.Now()
+	release := n.fill(evictionThreshold - 100<<20)
+	n.await(3*time.Minute, "the kubelet reclaiming the unwanted image under disk pressure", func() bool { return !n.present(unwantedRef)[unwantedRef] })
+	r.reclaimDuration = time.Since(start)
+	if wasRunning {
+		deadline := time.Now().Add(2 * time.Minute)
+		for time.Now().Before(deadline) && !r.evicted {
+			r.evicted = slices.Contains(n.appPods(), "Evicted")
+			time.Sleep(time.Second)
+		}
+	}
+	time.Sleep(15 * time.Second) // the reclaim after the eviction (the app's image is unused then)
+	r.afterPressure = n.present(append(slices.Clone(k3sAirgapRefs), unwantedRef)...)
+	if err := os.Remove(release); err != nil {
+		n.t.Fatal(err)
+	}
+	// Running again, or stuck without its image: ErrImageNeverPull, or a sandbox that cannot start
+	// without the pause image (ContainerCreating).
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) && !n.appRunning() {
+		time.Sleep(time.Second)
+	}
+	r.appAfter = strings.Join(slices.Compact(n.appPods()), ",")
+}
+
+// rmiPause is k3s issue 2961: `crictl rmi` of the pause image; it must come back from its archive
+// with the same digest (with k3s-pinning), where stock k3s leaves it gone until a restart.
+func (n *k3sNode) rmiPause(r *k3sReport) {
+	n.t.Helper()
+	want := n.digest(k3sPauseRef)
+	if want == "" {
+		r.rmiBack = "absent before rmi"
+		return
+	}
+	n.k3sTool("crictl", "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sPauseRef)
+	start := time.Now()
+	deadline := 30 * time.Second
+	for time.Since(start) < deadline {
+		if got := n.digest(k3sPauseRef); got != "" {
+			r.rmiBack = fmt.Sprintf("back in %.1f s, %s", time.Since(start).Seconds(), yesNo(got == want, "same digest", "OTHER DIGEST "+got))
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	r.rmiBack = fmt.Sprintf("GONE after %s", deadline)
+}
+
+// TestK3sNode runs the scenarios on the patched k3s, with pinning and without.
+func TestK3sNode(t *testing.T) {
+	bin := k3sBinDir(t)
+	t.Run("with-k3s-pinning", func(t *testing.T) { runK3sScenarios(t, bin, true) })
+	t.Run("disable-image-pinning", func(t *testing.T) { runK3sScenarios(t, bin, false) })
+}
+
+func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
+	n := newK3sNode(t, bin, withPinning)
+	r := &k3sReport{policy: map[string]bool{}}
+	defer recordK3sReport(withPinning, r)
+
+	// First start; the hand imports come after it, as an operator's would.
+	var extra []string
+	if withPinning {
+		extra = []string{"--pinned-images", handCLIRef}
+	}
+	n.start(extra)
+	n.handImport()
+	if withPinning {
+		n.await(30*time.Second, "the hand import named on the command line pinned", func() bool { return n.criPinned(handCLIRef) })
+		r.policy["command line"] = true
+		if n.criPinned(handConfigRef) || n.criPinned(handEnvRef) {
+			t.Errorf("hand imports no flag names are pinned")
+		}
+	}
+	n.deployApp()
+	n.await(3*time.Minute, "the app's pod Running", n.appRunning)
+	r.afterStart = n.pins(append(slices.Clone(k3sAirgapRefs), k3sHandRefs...)...)
+	if withPinning {
+		for _, ref := range k3sAirgapRefs {
+			if !r.afterStart[ref] {
+				t.Errorf("%s not pinned after the first start", ref)
+			}
+		}
+	}
+
+	// k3s 14265: restart with .cache.json. With pinning, this start names the hand import in
+	// config.yaml (the command line's is no longer named).
+	n.stop()
+	extra, env := nil, []string(nil)
+	if withPinning {
+		n.writeFile(filepath.Join(n.dir, "config.yaml"), "pinned-images:\n  - "+handConfigRef+"\n")
+		extra = []string{"--config", filepath.Join(n.dir, "config.yaml")}
+		n.watchPins()
+	}
+	n.start(extra, env...)
+	time.Sleep(5 * time.Second) // k3s's own import and clearing of pins, if any, run after containerd starts
+	r.afterRestart = n.pins(k3sAirgapRefs...)
+	if withPinning {
+		n.await(30*time.Second, "the hand import named in config.yaml pinned", func() bool { return n.criPinned(handConfigRef) })
+		r.policy["config.yaml"] = true
+		if log, _ := os.ReadFile(n.log); strings.Contains(string(log), "Unknown flag") {
+			t.Errorf("k3s server skipped a config.yaml key: %s", tail(grepLines(string(log), "Unknown flag"), 3))
+		}
+		for _, ref := range k3sAirgapRefs {
+			if !r.afterRestart[ref] {
+				t.Errorf("14265: %s unpinned after the restart", ref)
+			}
+		}
+		// Once more, the policy as K3S_PINNED_IMAGES.
+		n.stop()
+		n.start(nil, "K3S_PINNED_IMAGES="+handEnvRef)
+		n.await(30*time.Second, "the hand import named by K3S_PINNED_IMAGES pinned", func() bool { return n.criPinned(handEnvRef) })
+		r.policy["K3S_PINNED_IMAGES"] = true
+		n.stopEvents()
+		n.stopEvents = nil
+		r.seenUnpinned = slices.Clone(n.seenUnpinned)
+		if len(r.seenUnpinned) > 0 {
+			t.Errorf("14265: containerd's events showed air-gap images unpinned across the restarts: %v", r.seenUnpinned)
+		}
+		r.doctorExit = n.doctor(handEnvRef)
+		if r.doctorExit != 0 {
+			t.Errorf("k3s-pinning doctor against the node exited %d", r.doctorExit)
+		}
+	}
+	if withPinning {
+		n.await(3*time.Minute, "the app's pod Running after the restart", n.appRunning)
+	} else {
+		// Stock k3s may have lost the images by now (14265): record, do not wait for ever.
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) && !n.appRunning() {
+			time.Sleep(time.Second)
+		}
+	}
+	r.appAfterRestart = strings.Join(slices.Compact(n.appPods()), ",")
+	r.presentAfterRestart = n.present(k3sAirgapRefs...)
+
+	// k3s 10209 (and 14265's consequence for stock k3s): pressure.
+	n.pressureEvictReclaim(r)
+	if withPinning {
+		for _, ref := range k3sAirgapRefs {
+			if !r.afterPressure[ref] {
+				t.Errorf("10209: air-gap image %s deleted under pressure", ref)
+			}
+		}
+		if !r.evicted {
+			t.Errorf("10209: the app's pod was not evicted: the pressure did not reach the kubelet's eviction")
+		}
+		if !slices.Contains(n.appPods(), "Running") {
+			t.Errorf("10209: the app is not Running again after the pressure: %v", n.appPods())
+		}
+	}
+	if r.afterPressure[unwantedRef] {
+		t.Errorf("the unwanted hand import survived: the kubelet's reclaim did not run")
+	}
+
+	// k3s 2961.
+	n.rmiPause(r)
+	if withPinning && !strings.HasPrefix(r.rmiBack, "back in") {
+		t.Errorf("2961: the pause image is %s after crictl rmi", r.rmiBack)
+	}
+}
+
+// grepLines is the lines of s that contain substr.
+func grepLines(s, substr string) string {
+	var out []string
+	for _, line := range strings.Split(s, "\n") {
+		if strings.Contains(line, substr) {
+			out = append(out, line)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// doctor runs k3s-pinning doctor against the node (its containerd, images dir and state file,
+// and the policy k3s was started with), and returns its exit code.
+func (n *k3sNode) doctor(pinned string) int {
+	n.t.Helper()
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	bin := filepath.Join(cache, "k3s-pinning", "e2e", "k3s-pinning")
+	root, err := containerdtest.ModuleRoot()
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	build := exec.Command("go", "build", "-o", bin, "./cmd/k3s-pinning")
+	build.Dir = root
+	build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	if out, err := build.CombinedOutput(); err != nil {
+		n.t.Fatalf("go build ./cmd/k3s-pinning: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin, "doctor", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
+		"--state-file", filepath.Join(n.data, "agent", "k3s-pinning", "state.json"), "--pinned-images", pinned)
+	out, err := cmd.CombinedOutput()
+	n.t.Logf("k3s-pinning doctor:\n%s", out)
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return exit.ExitCode()
+	}
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return 0
+}
+
+// TestK3sWrapperAcceptsTheFlags: the outer k3s wrapper (cmd/k3s, what a release ships as k3s)
+// parses os.Args with k3s's server and agent commands before it extracts its data and execs the
+// inner binary; flags it does not know stop it there ("flag provided but not defined").
+func TestK3sWrapperAcceptsTheFlags(t *testing.T) {
+	bin := k3sBinDir(t)
+	for _, args := range [][]string{
+		{"server", "--disable-image-pinning", "--disable-image-restore"},
+		{"agent", "--pinned-images", handCLIRef, "--pinned-image-labels", "example.com/keep"},
+	} {
+		dataDir := t.TempDir()
+		cmd := exec.Command(filepath.Join(bin, "k3s-wrapper"), append(args, "--data-dir", dataDir)...)
+		out, _ := cmd.CombinedOutput()
+		if strings.Contains(string(out), "flag provided but not defined") {
+			t.Errorf("k3s %s: the wrapper refuses the flags:\n%s", strings.Join(args, " "), out)
+		}
+		// It got past flag parsing: what stops it is its (empty) data.
+		if !strings.Contains(strings.ToLower(string(out)), "data") {
+			t.Errorf("k3s %s: the wrapper did not get as far as its data:\n%s", strings.Join(args, " "), out)
+		}
+		t.Logf("k3s %s (wrapper with empty data): %s", strings.Join(args, " "), strings.TrimSpace(tail(string(out), 2)))
+	}
+}
+
+// TestK3sBadFlagValueStops: a malformed --pinned-images stops k3s with an error that names the
+// flag, with pinning on, and with --disable-image-pinning too (where naming images to keep is an
+// error, not silently ignored).
+func TestK3sBadFlagValueStops(t *testing.T) {
+	bin := k3sBinDir(t)
+	for _, c := range []struct {
+		pinning bool
+		value   string
+	}{{true, "registry.example/[bad"}, {false, handCLIRef}} {
+		n := newK3sNode(t, bin, c.pinning)
+		n.log = filepath.Join(n.dir, "k3s-bad.log")
+		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+		cmd := exec.CommandContext(ctx, filepath.Join(bin, "k3s"), append(n.k3sServerArgs(), "--pinned-images", c.value)...)
+		cmd.Env = append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"))
+		out, err := cmd.CombinedOutput()
+		cancel()
+		os.WriteFile(n.log, out, 0o644)
+		if err == nil {
+			t.Errorf("k3s server --pinned-images %q (pinning %t) exited 0", c.value, c.pinning)
+			continue
+		}
+		if !strings.Contains(string(out), "--pinned-images") {
+			t.Errorf("k3s server --pinned-images %q (pinning %t): the error does not name the flag:\n%s", c.value, c.pinning, tail(string(out), 5))
+		}
+		t.Logf("pinning %t, --pinned-images %q: %s", c.pinning, c.value, tail(grepLines(string(out), "--pinned-images"), 1))
+	}
+}
