@@ -15,14 +15,13 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-
-	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	"testing"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/images"
 
+	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 

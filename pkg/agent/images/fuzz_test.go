@@ -25,10 +25,12 @@ func FuzzReadIndex(f *testing.F) {
 		f.Fatal(err)
 	}
 	seeds := map[string]func(string) error{
-		"docker.tar": func(p string) error { return imagetest.WriteDocker(p, map[string]v1.Image{"fuzz.example/a:1": img}) },
-		"oci.tar":    func(p string) error { return imagetest.WriteOCI(p, map[string]any{"fuzz.example/b:1": img}) },
+		"docker.tar": func(p string) error {
+			return imagetest.WriteDocker(p, map[string]v1.Image{"fuzz.example/app-a:1": img})
+		},
+		"oci.tar": func(p string) error { return imagetest.WriteOCI(p, map[string]any{"fuzz.example/app-b:1": img}) },
 		"docker.tar.gz": func(p string) error {
-			return imagetest.WriteDocker(p, map[string]v1.Image{"fuzz.example/c:1": img})
+			return imagetest.WriteDocker(p, map[string]v1.Image{"fuzz.example/app-c:1": img})
 		},
 	}
 	for name, write := range seeds {
@@ -47,7 +49,7 @@ func FuzzReadIndex(f *testing.F) {
 		f.Add(data, ending)
 		f.Add(data[:len(data)/2], ending)
 	}
-	f.Add([]byte("fuzz.example/d:1\n# comment\n\nnot a reference!!\n"), uint8(3))
+	f.Add([]byte("fuzz.example/app-d:1\n# comment\n\nnot a reference!!\n"), uint8(3))
 	f.Fuzz(func(t *testing.T, data []byte, ending uint8) {
 		path := filepath.Join(t.TempDir(), "fuzz"+fuzzEndings[int(ending)%len(fuzzEndings)])
 		err := os.WriteFile(path, data, 0o644)

@@ -86,7 +86,7 @@ func TestRunRepinsStrippedLabelWithinOneSecond(t *testing.T) {
 // then re-imports. Replay exactly that removal.
 func TestRunKeepsPinsThroughK3sLabelClearing(t *testing.T) {
 	n := newNode(t)
-	refs := []string{"acc.example/a:1", "acc.example/b:1"}
+	refs := []string{"acc.example/app-a:1", "acc.example/app-b:1"}
 	writeArchive(t, n.imagesDir, archiveCase{file: "k3s.tar.zst", refs: refs})
 	n.runAgent("", refs...)
 	for _, ref := range refs {
@@ -315,12 +315,12 @@ func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
 	}
 	t.Cleanup(func() { syscall.Unmount(root, syscall.MNT_DETACH) }) // after containerd stops (LIFO)
 	n := newNodeWith(t, containerdtest.Options{Root: root})
-	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/a:1.0", "acc.example/b:1.0"}})
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app-a:1.0", "acc.example/app-b:1.0"}})
 	a := n.agent(nil)
 	if err := a.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: "acc.example/a:1.0"}}); err != nil {
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: "acc.example/app-a:1.0"}}); err != nil {
 		t.Fatal(err)
 	}
 	var st syscall.Statfs_t
@@ -339,7 +339,7 @@ func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "no space left") {
 		t.Fatalf("sync on a full disk: %v, want no space left", err)
 	}
-	if present, pinned := n.criPinned("acc.example/b:1.0"); !present || !pinned {
+	if present, pinned := n.criPinned("acc.example/app-b:1.0"); !present || !pinned {
 		t.Errorf("b:1.0 after a failed import of its archive: present=%t pinned=%t", present, pinned)
 	}
 	filler.Close()
@@ -347,7 +347,7 @@ func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
 	if err := a.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	for _, ref := range []string{"acc.example/a:1.0", "acc.example/b:1.0"} {
+	for _, ref := range []string{"acc.example/app-a:1.0", "acc.example/app-b:1.0"} {
 		if present, pinned := n.criPinned(ref); !present || !pinned {
 			t.Errorf("%s once space is back: present=%t pinned=%t", ref, present, pinned)
 		}
