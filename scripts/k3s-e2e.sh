@@ -14,4 +14,4 @@ echo "== make k3s: $(( $(date +%s) - start )) s"
 export K3S_E2E_BIN=$(dirname "$bin")
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
-GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run '^TestK3sNode$' .
+GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run '^TestK3s' .

@@ -53,8 +53,28 @@ type K3sOptions struct {
 }
 
 // K3sFlags are the k3s-pinning flags of one k3s command; call it once per command, with the same
-// options. envPrefix is k3s's version.ProgramUpper.
+// options. envPrefix is k3s's version.ProgramUpper. Each flag that is set (on the command line, as
+// a K3S_ variable or a config.yaml key) checks all the values once they are parsed, so that a bad
+// one stops k3s before it starts anything, with an error naming the flag (k3s exits 1 on a parse
+// error; the agent's check when it loads agent/images can only request a shutdown).
 func K3sFlags(o *K3sOptions, envPrefix string) []cli.Flag {
+	flags := k3sFlags(o, envPrefix)
+	validate := func(*cli.Context) error {
+		_, err := o.Validate()
+		return err
+	}
+	for _, f := range flags {
+		switch f := f.(type) {
+		case *cli.BoolFlag:
+			f.Action = func(c *cli.Context, _ bool) error { return validate(c) }
+		case *cli.StringSliceFlag:
+			f.Action = func(c *cli.Context, _ []string) error { return validate(c) }
+		}
+	}
+	return flags
+}
+
+func k3sFlags(o *K3sOptions, envPrefix string) []cli.Flag {
 	return append([]cli.Flag{
 		&cli.BoolFlag{
 			Name:        "disable-image-pinning",

@@ -84,6 +84,38 @@ func TestK3sFlags(t *testing.T) {
 	}
 }
 
+// A bad value stops the command before its action runs (k3s starts nothing), with an error naming
+// the flag, also with --disable-image-pinning, and whichever way the value came.
+func TestK3sFlagsRefuseBadValuesBeforeTheCommandRuns(t *testing.T) {
+	for _, c := range []struct {
+		args    []string
+		env     map[string]string
+		wantErr string
+	}{
+		{args: []string{"server", "--pinned-images", "registry.local/[app"}, wantErr: "--pinned-images"},
+		{args: []string{"server", "--disable-image-pinning", "--pinned-images", "a.example/x:1"}, wantErr: "--disable-image-pinning"},
+		{args: []string{"agent", "--disable-image-pinning"}, env: map[string]string{"K3S_PINNED_IMAGE_LABELS": "=x"}, wantErr: "--pinned-image-labels"},
+	} {
+		for k, v := range c.env {
+			t.Setenv(k, v)
+		}
+		o := &images.K3sOptions{}
+		ran := false
+		run := func(*cli.Context) error { ran = true; return nil }
+		app := &cli.App{Name: "k3s", Commands: []*cli.Command{
+			{Name: "server", Flags: images.K3sFlags(o, "K3S"), Action: run},
+			{Name: "agent", Flags: images.K3sFlags(o, "K3S"), Action: run},
+		}}
+		err := app.Run(append([]string{"k3s"}, c.args...))
+		if err == nil || !strings.Contains(err.Error(), c.wantErr) {
+			t.Errorf("%v %v: error %v, want one naming %s", c.args, c.env, err, c.wantErr)
+		}
+		if ran {
+			t.Errorf("%v %v: the command ran despite the bad value", c.args, c.env)
+		}
+	}
+}
+
 // TestAppendK3sFlags is what the patched k3s main does: the flags land on server and agent only,
 // bound to K3sFlagValues.
 func TestAppendK3sFlags(t *testing.T) {
