@@ -102,18 +102,3 @@ func (o *K3sOptions) Validate() (*pinning.Policy, error) {
 	}
 	return o.Policy.Policy()
 }
-
-// K3sFlagValues are the values of the flags AppendK3sFlags adds, which the patched k3s reads
-// when its agent starts; k3s keeps its own flag values in package variables the same way.
-var K3sFlagValues K3sOptions
-
-// AppendK3sFlags appends the k3s-pinning flags, bound to K3sFlagValues, to the "server" and
-// "agent" commands among commands (both run an agent), and returns commands.
-func AppendK3sFlags(commands []*cli.Command, envPrefix string) []*cli.Command {
-	for _, c := range commands {
-		if c.Name == "server" || c.Name == "agent" {
-			c.Flags = append(c.Flags, K3sFlags(&K3sFlagValues, envPrefix)...)
-		}
-	}
-	return commands
-}

@@ -115,23 +115,3 @@ func TestK3sFlagsRefuseBadValuesBeforeTheCommandRuns(t *testing.T) {
 		}
 	}
 }
-
-// TestAppendK3sFlags is what the patched k3s main does: the flags land on server and agent only,
-// bound to K3sFlagValues.
-func TestAppendK3sFlags(t *testing.T) {
-	defer func() { images.K3sFlagValues = images.K3sOptions{} }()
-	var seen string
-	run := func(c *cli.Context) error { seen = c.Command.Name; return nil }
-	app := &cli.App{Name: "k3s", Commands: images.AppendK3sFlags([]*cli.Command{
-		{Name: "server", Action: run}, {Name: "agent", Action: run}, {Name: "kubectl", Action: run},
-	}, "K3S")}
-	if err := app.Run([]string{"k3s", "agent", "--disable-image-restore", "--pinned-images", "registry.local/*"}); err != nil || seen != "agent" {
-		t.Fatalf("agent: %v", err)
-	}
-	if !images.K3sFlagValues.DisableImageRestore || images.K3sFlagValues.Policy.PinnedImages.Value()[0] != "registry.local/*" {
-		t.Errorf("K3sFlagValues = %+v", images.K3sFlagValues)
-	}
-	if err := app.Run([]string{"k3s", "kubectl", "--disable-image-restore"}); err == nil {
-		t.Error("kubectl accepted --disable-image-restore; only server and agent run an agent")
-	}
-}
