@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -119,6 +120,18 @@ func (h *host) releaseMounts() {
 	for _, d := range dirs {
 		exec.Command("find", d, "-depth", "-type", "d", "-exec", "rmdir", "{}", ";").Run()
 	}
+}
+
+// absentPaths are those of paths that do not exist now: what a node's cleanup may remove, having
+// created them (a kubelet makes /var/lib/kubelet/device-plugins whatever its --root-dir says).
+func absentPaths(paths ...string) []string {
+	var out []string
+	for _, p := range paths {
+		if _, err := os.Lstat(p); errors.Is(err, os.ErrNotExist) {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // lastLines is the end of the file at path.

@@ -102,12 +102,7 @@ func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
 			t.Fatalf("a k3s server is already running on this machine (%s): the e2e needs k3s's fixed paths", strings.TrimSpace(string(out)))
 		}
 	}
-	var created []string // k3sHostPaths absent now: the cleanup removes them
-	for _, p := range k3sHostPaths {
-		if _, err := os.Lstat(p); errors.Is(err, os.ErrNotExist) {
-			created = append(created, p)
-		}
-	}
+	created := absentPaths(k3sHostPaths...) // the cleanup removes them
 	dir, err := os.MkdirTemp("", "k3s-pinning-k3s-e2e-")
 	if err != nil {
 		t.Fatal(err)

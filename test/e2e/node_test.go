@@ -70,7 +70,14 @@ func newNode(t *testing.T, opts nodeOptions) *node {
 	ctx, cancel := context.WithTimeout(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace), 10*time.Minute)
 	n := &node{host: &host{t: t, ctx: ctx, dir: dir, imagefs: filepath.Join(dir, "imagefs"), log: filepath.Join(dir, "node.log")},
 		imagesDir: filepath.Join(dir, "images"), manifests: filepath.Join(dir, "manifests")}
-	t.Cleanup(func() { n.cleanup(); cancel() })
+	created := absentPaths("/var/lib/kubelet")
+	t.Cleanup(func() {
+		n.cleanup()
+		for _, p := range created {
+			os.RemoveAll(p)
+		}
+		cancel()
+	})
 	for _, d := range []string{n.manifests, filepath.Join(dir, "kubelet"), filepath.Join(dir, "pod-logs")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
