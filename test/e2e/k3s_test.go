@@ -520,6 +520,7 @@ func printK3sTable(with, stock *k3sReport) {
 		row("14265 present a minute after the restart: "+ref, yesNo(with.presentAfterRestart[ref], "present", "DELETED"), yesNo(stock.presentAfterRestart[ref], "present", "DELETED"))
 	}
 	row("14265 app pods a minute after the restart", with.appAfterRestart, stock.appAfterRestart)
+	row("10209 pressure to the unwanted image reclaimed", with.reclaimDuration.Round(100*time.Millisecond).String(), stock.reclaimDuration.Round(100*time.Millisecond).String())
 	row("10209 app pod evicted under disk pressure", yesNo(with.evicted, "evicted", "not evicted"), yesNo(stock.evicted, "evicted", "not evicted"))
 	for _, ref := range append(slices.Clone(k3sAirgapRefs), unwantedRef) {
 		row("10209 present after the kubelet's reclaim: "+ref, yesNo(with.afterPressure[ref], "present", "DELETED"), yesNo(stock.afterPressure[ref], "present", "DELETED"))
