@@ -60,9 +60,10 @@ soak:
 fuzz:
 	bash scripts/fuzz.sh
 
-## unit: tests that need no root and no daemon
+## unit: tests that need no root and no daemon (the planner, the archive reader, the policy, the
+## agent on containerd's own metadata store)
 unit:
-	$(GO) test -count=1 -run 'Policy|Misspelled|ReadIndex|ReadList|Scan' ./pkg/...
+	$(GO) test -count=1 -run 'Policy|Misspelled|Read|Scan|Plan|KeeperIsThePlan|OnContainerdsStore|Dependencies|K3sFlags|LockExcludes' ./pkg/... ./internal/...
 
 ## build: install the k3s-pinning command into GOBIN
 build:

@@ -20,6 +20,8 @@ require (
 	github.com/rancher/wharfie v0.6.9
 	github.com/sirupsen/logrus v1.9.3
 	github.com/urfave/cli/v2 v2.27.7
+	go.etcd.io/bbolt v1.4.0
+	golang.org/x/sync v0.16.0
 	golang.org/x/sys v0.33.0
 	google.golang.org/grpc v1.72.2
 	k8s.io/cri-api v0.32.10
@@ -74,7 +76,6 @@ require (
 	go.opentelemetry.io/otel/metric v1.38.0 // indirect
 	go.opentelemetry.io/otel/trace v1.38.0 // indirect
 	golang.org/x/net v0.38.0 // indirect
-	golang.org/x/sync v0.16.0 // indirect
 	golang.org/x/text v0.28.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20250707201910-8d1bb00bc6a7 // indirect
 	google.golang.org/protobuf v1.36.9 // indirect

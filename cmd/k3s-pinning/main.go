@@ -20,8 +20,10 @@ import (
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 	"github.com/urfave/cli/v2"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -37,7 +39,7 @@ const (
 type options struct {
 	address, imagesDir, namespace, stateFile string
 	extraRegistries                          cli.StringSlice
-	policy                                   images.PolicyOptions
+	policy                                   images.PolicyValues
 	output, metricsAddress                   string
 	run                                      images.RunOptions
 }
@@ -103,15 +105,22 @@ func newApp(stdout io.Writer) *cli.App {
 					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
 						ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 						defer stop()
+						// The agent and the metrics server end together: a server that cannot
+						// listen stops the agent, which saves its state on the way out.
+						g, ctx := errgroup.WithContext(ctx)
 						if o.metricsAddress != "" {
-							go func() {
-								if err := images.ServeMetrics(ctx, o.metricsAddress); err != nil {
-									logrus.Fatalf("metrics: %v", err)
+							registry := prometheus.NewRegistry()
+							registry.MustRegister(a.Metrics())
+							g.Go(func() error {
+								if err := serveMetrics(ctx, o.metricsAddress, registry); err != nil {
+									return fmt.Errorf("metrics on %s: %w", o.metricsAddress, err)
 								}
-							}()
+								return nil
+							})
 						}
 						logrus.Infof("k3s-pinning run: protecting %s on %s", o.imagesDir, o.address)
-						return a.Run(ctx, o.run)
+						g.Go(func() error { return a.Run(ctx, o.run) })
+						return g.Wait()
 					})
 				},
 			},
@@ -163,7 +172,7 @@ func newApp(stdout io.Writer) *cli.App {
 							return err
 						}
 						printAgentView(stdout, snap.Agent)
-						findings := snap.Findings()
+						findings := findingsOf(snap)
 						for _, f := range findings {
 							fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)
 						}
@@ -233,7 +242,7 @@ func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agen
 	if _, err := client.Version(vctx); err != nil {
 		return cli.Exit(fmt.Sprintf("containerd at %s does not answer: %v", o.address, err), exitUsage)
 	}
-	agent := images.NewAgent(client, images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile})
+	agent := images.NewAgent(images.Services(client), images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile})
 	return fn(ctx, agent)
 }
 

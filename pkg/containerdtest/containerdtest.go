@@ -378,7 +378,7 @@ func StripPins(ctx context.Context, store images.Store) error {
 	}
 	for _, img := range all {
 		img.Labels = nil
-		if _, err := store.Update(ctx, img, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource, "labels."+pinning.LabelK3sPinned); err != nil {
+		if _, err := store.Update(ctx, img, pinning.LabelField(pinning.LabelPinned), pinning.LabelField(pinning.LabelSource), pinning.LabelField(pinning.LabelK3sPinned)); err != nil {
 			return fmt.Errorf("strip pins of %s: %w", img.Name, err)
 		}
 	}

@@ -38,6 +38,34 @@ func OwnPin(labels map[string]string) (source string, ok bool) {
 	return source, ok && IsPinned(labels)
 }
 
+// Owner is who holds the pin on a reference: the one distinction every pin write makes, since we
+// never touch a pin we did not set.
+type Owner int
+
+const (
+	NoPin    Owner = iota // not pinned: ours to set
+	OurPin                // pinned by k3s-pinning (LabelSource names what wants it)
+	TheirPin              // pinned by a user or k3s: left as it is
+)
+
+// OwnerOf is who holds the pin in labels.
+func OwnerOf(labels map[string]string) Owner {
+	switch _, ours := OwnPin(labels); {
+	case ours:
+		return OurPin
+	case IsPinned(labels):
+		return TheirPin
+	default:
+		return NoPin
+	}
+}
+
+// LabelField is the field path that names label key in a containerd Update or List filter.
+func LabelField(key string) string { return "labels." + key }
+
+// pinFields are the two labels every pin write sets or removes, and nothing else.
+var pinFields = []string{LabelField(LabelPinned), LabelField(LabelSource)}
+
 // PinLabels are the labels a reference wanted by source carries.
 func PinLabels(source string) map[string]string {
 	return map[string]string{LabelPinned: PinnedValue, LabelSource: source}

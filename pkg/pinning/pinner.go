@@ -12,7 +12,7 @@ import (
 // ErrNotOurs is returned when asked to remove a pin that k3s-pinning did not set.
 var ErrNotOurs = errors.New("pin was not set by k3s-pinning")
 
-// PinResult says what Pin found and did.
+// PinResult says what a pin write found and did.
 type PinResult int
 
 const (
@@ -26,40 +26,100 @@ const (
 )
 
 func (r PinResult) String() string {
-	return [...]string{"pinned", "already pinned", "pinned by another owner"}[r]
+	switch r {
+	case Pinned:
+		return "pinned"
+	case AlreadyOurs:
+		return "already pinned"
+	case PinnedByOther:
+		return "pinned by another owner"
+	}
+	return fmt.Sprintf("PinResult(%d)", int(r))
 }
 
-// Pinner sets and removes pins on references in a containerd image store. The namespace is
+// resultOf is what a pin write does to a reference whose pin is owner's.
+func resultOf(owner Owner) PinResult {
+	switch owner {
+	case OurPin:
+		return AlreadyOurs
+	case TheirPin:
+		return PinnedByOther
+	}
+	return Pinned
+}
+
+// Pinner is the one writer of pins: set at creation (Put), pin, unpin, transfer and adopt all go
+// through it, so that the promise "never remove a pin we did not set" is kept in one place. It
+// writes only the pin labels; every other label of an image stays as it is. The namespace is
 // carried in the context, as everywhere in the containerd client.
 type Pinner struct {
 	store images.Store
 }
 
-// NewPinner returns a Pinner over store (client.ImageService()).
+// NewPinner returns a Pinner over store (client.ImageService(), or any images.Store).
 func NewPinner(store images.Store) *Pinner { return &Pinner{store: store} }
 
-// Pin pins the reference name for source. Only the two pin labels are written; every other label
-// of the image stays as it is.
+// Pin pins the reference name for source.
 func (p *Pinner) Pin(ctx context.Context, name, source string) (PinResult, error) {
 	img, err := p.store.Get(ctx, name)
 	if err != nil {
 		return 0, fmt.Errorf("pin %s: %w", name, err)
 	}
-	return p.pinImage(ctx, img, source)
+	return p.PinImage(ctx, img, source)
 }
 
-func (p *Pinner) pinImage(ctx context.Context, img images.Image, source string) (PinResult, error) {
-	if _, ours := OwnPin(img.Labels); ours {
-		return AlreadyOurs, nil
-	}
-	if IsPinned(img.Labels) {
-		return PinnedByOther, nil
+// PinImage pins img, as listed a moment ago, for source.
+func (p *Pinner) PinImage(ctx context.Context, img images.Image, source string) (PinResult, error) {
+	res := resultOf(OwnerOf(img.Labels))
+	if res != Pinned {
+		return res, nil
 	}
 	update := images.Image{Name: img.Name, Labels: PinLabels(source)}
-	if _, err := p.store.Update(ctx, update, "labels."+LabelPinned, "labels."+LabelSource); err != nil {
+	if _, err := p.store.Update(ctx, update, pinFields...); err != nil {
 		return 0, fmt.Errorf("pin %s: %w", img.Name, err)
 	}
 	return Pinned, nil
+}
+
+// Put makes the reference img.Name point at img.Target, pinned for source. A new reference is
+// created with the pin labels, so it never exists unpinned. On an existing one only the target
+// and the two pin labels are written, and a pin someone else set is left theirs.
+func (p *Pinner) Put(ctx context.Context, img images.Image, source string) (PinResult, error) {
+	img.Labels = PinLabels(source)
+	for range 3 {
+		_, err := p.store.Create(ctx, img)
+		if err == nil {
+			return Pinned, nil
+		}
+		if !errdefs.IsAlreadyExists(err) {
+			return 0, fmt.Errorf("create %s: %w", img.Name, err)
+		}
+		existing, err := p.store.Get(ctx, img.Name)
+		if errdefs.IsNotFound(err) {
+			continue // deleted in between: create again
+		}
+		if err != nil {
+			return 0, fmt.Errorf("get %s: %w", img.Name, err)
+		}
+		var fields []string
+		if existing.Target.Digest != img.Target.Digest {
+			fields = append(fields, "target")
+		}
+		res := resultOf(OwnerOf(existing.Labels))
+		if res == Pinned {
+			fields = append(fields, pinFields...)
+		}
+		if len(fields) == 0 {
+			return res, nil
+		}
+		if _, err := p.store.Update(ctx, img, fields...); errdefs.IsNotFound(err) {
+			continue
+		} else if err != nil {
+			return 0, fmt.Errorf("update %s: %w", img.Name, err)
+		}
+		return res, nil
+	}
+	return 0, fmt.Errorf("put %s: reference kept disappearing", img.Name)
 }
 
 // Unpin removes our pin from the reference name. It refuses, with ErrNotOurs, to touch a pin we
@@ -72,57 +132,96 @@ func (p *Pinner) Unpin(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("unpin %s: %w", name, err)
 	}
-	if _, ours := OwnPin(img.Labels); !ours {
-		if IsPinned(img.Labels) {
-			return fmt.Errorf("unpin %s: %w", name, ErrNotOurs)
-		}
+	switch OwnerOf(img.Labels) {
+	case TheirPin:
+		return fmt.Errorf("unpin %s: %w", name, ErrNotOurs)
+	case NoPin:
 		return nil
 	}
 	// Naming a label in the field paths while leaving it out of Labels deletes it.
-	update := images.Image{Name: img.Name}
-	if _, err := p.store.Update(ctx, update, "labels."+LabelPinned, "labels."+LabelSource); err != nil {
+	if _, err := p.store.Update(ctx, images.Image{Name: img.Name}, pinFields...); err != nil {
 		return fmt.Errorf("unpin %s: %w", name, err)
 	}
 	return nil
 }
 
-// Transfer records to as the owner of our pin on name, when from owns it now: the pin stays, only
-// who wants it changes (an archive left, another still provides the image).
-func (p *Pinner) Transfer(ctx context.Context, name, from, to string) error {
+// Release gives up source's pin on name: it passes to heir (another archive that provides the
+// image, or the policy) or, with no heir, is removed. A pin that is not source's is not touched.
+// released says whether anything was written.
+func (p *Pinner) Release(ctx context.Context, name, source, heir string) (released bool, err error) {
 	img, err := p.store.Get(ctx, name)
+	if errdefs.IsNotFound(err) {
+		return false, nil
+	}
 	if err != nil {
-		return fmt.Errorf("transfer %s: %w", name, err)
+		return false, fmt.Errorf("release %s: %w", name, err)
 	}
-	if src, ours := OwnPin(img.Labels); !ours || src != from {
-		return fmt.Errorf("transfer %s: pin is not %s's", name, from)
+	if src, ours := OwnPin(img.Labels); !ours || src != source {
+		return false, nil
 	}
-	update := images.Image{Name: name, Labels: map[string]string{LabelSource: to}}
-	if _, err := p.store.Update(ctx, update, "labels."+LabelSource); err != nil {
-		return fmt.Errorf("transfer %s: %w", name, err)
+	if heir == "" {
+		return true, p.Unpin(ctx, name)
 	}
-	return nil
+	update := images.Image{Name: name, Labels: map[string]string{LabelSource: heir}}
+	if _, err := p.store.Update(ctx, update, LabelField(LabelSource)); err != nil {
+		return false, fmt.Errorf("release %s to %s: %w", name, heir, err)
+	}
+	return true, nil
 }
 
-// PinPolicy pins every image of all (the store's list, which the caller has made) that policy
-// wants and that is not pinned yet, and returns the references it pinned. An error on one
-// reference does not stop the others.
-func (p *Pinner) PinPolicy(ctx context.Context, policy *Policy, all []images.Image) (pinned []string, err error) {
-	if policy.Empty() {
-		return nil, nil
+// Adoption is what Adopt did with a pin k3s set.
+type Adoption int
+
+const (
+	// KeptOurs: our pin was there beside k3s's mark; only the mark was dropped.
+	KeptOurs Adoption = iota
+	// MadeOurs: k3s's pin became ours without the CRI pin ever being removed.
+	MadeOurs
+	// Cleared: nothing wants the image any more; k3s's pin was cleared, as k3s does at start.
+	Cleared
+)
+
+// Adopt takes over the pin stock k3s set on img (LabelK3sPinned beside the CRI pin). k3s clears
+// its pins at every start and imports again, which leaves its images unpinned meanwhile (k3s
+// issue 14265): a wanted image (source non-empty) keeps its CRI pin and gets ours; the pin of one
+// nothing wants is cleared, as k3s would.
+func (p *Pinner) Adopt(ctx context.Context, img images.Image, source string) (Adoption, error) {
+	labels := map[string]string{}
+	fields := []string{LabelField(LabelK3sPinned)}
+	did := KeptOurs
+	switch {
+	case OwnerOf(img.Labels) == OurPin:
+	case source != "":
+		labels, did = PinLabels(source), MadeOurs
+		fields = append(fields, pinFields...)
+	default:
+		did = Cleared
+		fields = append(fields, LabelField(LabelPinned))
 	}
+	if _, err := p.store.Update(ctx, images.Image{Name: img.Name, Labels: labels}, fields...); err != nil {
+		return 0, fmt.Errorf("adopt k3s's pin on %s: %w", img.Name, err)
+	}
+	return did, nil
+}
+
+// PinWanted pins every image of all (the store's list, which the caller has made) that wants
+// names a source for and that is not pinned yet, and returns them with the source each was pinned
+// for. An error on one reference does not stop the others.
+func (p *Pinner) PinWanted(ctx context.Context, all []images.Image, wants func(images.Image) (string, bool)) (pinned map[string]string, err error) {
 	var errs []error
 	for _, img := range all {
-		if !policy.Wants(img) {
+		source, ok := wants(img)
+		if !ok || OwnerOf(img.Labels) != NoPin {
 			continue
 		}
-		res, err := p.pinImage(ctx, img, SourcePolicy)
-		if err != nil {
+		if _, err := p.PinImage(ctx, img, source); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		if res == Pinned {
-			pinned = append(pinned, img.Name)
+		if pinned == nil {
+			pinned = map[string]string{}
 		}
+		pinned[img.Name] = source
 	}
 	return pinned, errors.Join(errs...)
 }

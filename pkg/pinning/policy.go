@@ -18,7 +18,25 @@ type Policy struct {
 	labels   []labelSelector
 }
 
-// NewPolicy parses --pinned-images patterns and --pinned-image-labels selectors.
+// PolicyError is a pattern or selector NewPolicy cannot parse. The caller knows the flag, the
+// variable or the config key the value came from, and names it.
+type PolicyError struct {
+	Value string
+	Label bool // a label selector, not an image pattern
+	Err   error
+}
+
+func (e *PolicyError) Error() string {
+	kind := "image pattern"
+	if e.Label {
+		kind = "label selector"
+	}
+	return fmt.Sprintf("%s %q: %v", kind, e.Value, e.Err)
+}
+
+func (e *PolicyError) Unwrap() error { return e.Err }
+
+// NewPolicy parses image patterns (--pinned-images) and label selectors (--pinned-image-labels).
 //
 // A pattern is an exact reference (repo:tag or repo@digest), a bare repository (every tag and
 // digest of it), or a glob with * ? [ ] matched against both the full and the short form of a name
@@ -28,14 +46,14 @@ func NewPolicy(patterns, labelSelectors []string) (*Policy, error) {
 	for _, s := range patterns {
 		pat, err := parsePattern(s)
 		if err != nil {
-			return nil, fmt.Errorf("--pinned-images %q: %w", s, err)
+			return nil, &PolicyError{Value: s, Err: err}
 		}
 		p.patterns = append(p.patterns, pat)
 	}
 	for _, s := range labelSelectors {
 		sel, err := parseLabelSelector(s)
 		if err != nil {
-			return nil, fmt.Errorf("--pinned-image-labels %q: %w", s, err)
+			return nil, &PolicyError{Value: s, Label: true, Err: err}
 		}
 		p.labels = append(p.labels, sel)
 	}

@@ -1,6 +1,7 @@
 package pinning
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -8,8 +9,8 @@ import (
 	"github.com/distribution/reference"
 )
 
-// FuzzPolicy: any --pinned-images or --pinned-image-labels value is accepted or refused with an
-// error naming the flag; an accepted exact reference wants an image of that name; Wants never
+// FuzzPolicy: any --pinned-images or --pinned-image-labels value is accepted or refused with a
+// PolicyError naming the value and its kind (the caller adds the flag); an accepted exact reference wants an image of that name; Wants never
 // panics on any name.
 func FuzzPolicy(f *testing.F) {
 	for _, s := range []string{"nginx", "docker.io/library/nginx:1.27", "registry.local/*", "nginx@" + string(d1),
@@ -19,8 +20,8 @@ func FuzzPolicy(f *testing.F) {
 	f.Fuzz(func(t *testing.T, value, name string) {
 		p, err := NewPolicy([]string{value}, nil)
 		if err != nil {
-			if !strings.Contains(err.Error(), "--pinned-images") {
-				t.Errorf("error does not name the flag: %v", err)
+			if pe := (*PolicyError)(nil); !errors.As(err, &pe) || pe.Value != value || pe.Label {
+				t.Errorf("error is not the pattern's PolicyError: %v", err)
 			}
 		} else {
 			p.Wants(images.Image{Name: name})
@@ -30,8 +31,10 @@ func FuzzPolicy(f *testing.F) {
 				}
 			}
 		}
-		if _, err := NewPolicy(nil, []string{value}); err != nil && !strings.Contains(err.Error(), "--pinned-image-labels") {
-			t.Errorf("error does not name the flag: %v", err)
+		if _, err := NewPolicy(nil, []string{value}); err != nil {
+			if pe := (*PolicyError)(nil); !errors.As(err, &pe) || pe.Value != value || !pe.Label {
+				t.Errorf("error is not the selector's PolicyError: %v", err)
+			}
 		}
 	})
 }

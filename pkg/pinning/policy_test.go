@@ -1,6 +1,7 @@
 package pinning
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -67,8 +68,9 @@ func TestPolicyRejectsMalformedPatterns(t *testing.T) {
 			continue
 		}
 		bad := append(c.patterns, c.labels...)[0]
-		if !strings.Contains(err.Error(), "--pinned-image") || !strings.Contains(err.Error(), "\""+bad+"\"") {
-			t.Errorf("error %q does not name the flag and the value %q", err, bad)
+		var pe *PolicyError
+		if !errors.As(err, &pe) || pe.Value != bad || pe.Label != (len(c.labels) > 0) || !strings.Contains(err.Error(), "\""+bad+"\"") {
+			t.Errorf("error %q (%#v) does not name the value %q and its kind", err, pe, bad)
 		}
 	}
 }

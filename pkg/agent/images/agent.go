@@ -1,3 +1,8 @@
+// Package images is the agent side of k3s-pinning: it keeps what the k3s air-gap images dir
+// provides (read by package airgap) present and pinned in containerd. The data path, top to
+// bottom: archives are read into indexes (airgap), imported with the pin set at creation
+// (importer, through pinning.Pinner), recorded (State), and the keep-decision (Plan) drives
+// reconcile, restore, the adoption of k3s's pins and the kubelet's GC filter (Keeper).
 package images
 
 import (
@@ -6,14 +11,57 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"sync"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/events"
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/leases"
+	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
+	"google.golang.org/grpc"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
+
+// DefaultImagesDir is where k3s loads air-gap images from.
+const DefaultImagesDir = "/var/lib/rancher/k3s/agent/images"
+
+// Containerd is what the agent uses of containerd, each part one of containerd's own narrow
+// interfaces, so that the agent's logic runs on any implementation of them: a daemon's (Services),
+// or containerd's metadata store opened in a test.
+type Containerd struct {
+	Images  images.Store
+	Content content.Store
+	Leases  leases.Manager
+	// CRI pulls the entries of .txt lists (so registry mirrors and credentials apply); nil: lists
+	// fail with an error naming the file.
+	CRI runtimeapi.ImageServiceClient
+	// Events are the image events Run follows; nil: Run reconciles on its period only.
+	Events Events
+}
+
+// Events is containerd's event stream and whether containerd answers (a *containerd.Client).
+type Events interface {
+	Subscribe(ctx context.Context, filters ...string) (<-chan *events.Envelope, <-chan error)
+	IsServing(ctx context.Context) (bool, error)
+}
+
+// Services are the parts of a containerd daemon the agent uses, all on client's connection: the
+// CRI image service too, since containerd serves it on its own socket.
+func Services(client *containerd.Client) Containerd {
+	cd := Containerd{Images: client.ImageService(), Content: client.ContentStore(), Leases: client.LeasesService(), Events: client}
+	if conn, ok := client.Conn().(*grpc.ClientConn); ok {
+		cd.CRI = runtimeapi.NewImageServiceClient(conn)
+	}
+	return cd
+}
 
 // Config is what the agent protects: the images dir, the policy beyond it, and k3s's retag
 // registries.
@@ -26,30 +74,42 @@ type Config struct {
 	StateFile string
 }
 
-// Agent keeps the images of the images dir, and those the policy names, present and pinned.
+// Agent keeps the images of the images dir, and those the policy names, present and pinned. Its
+// exported methods may be called from several goroutines, also while Run runs: they take turns.
 type Agent struct {
-	client   *containerd.Client
+	cd       Containerd
 	cfg      Config
-	importer *Importer
+	importer *importer
 	pinner   *pinning.Pinner
-	state    *State
 	keeper   *Keeper
-	owners   *owners    // which archive provides each reference, as of the last sync
-	wanted   *wantedSet // the keep-decision of the last sync; nil until a sync listed containerd
+	metrics  *agentMetrics
+
+	mu    sync.Mutex // guards what follows
+	state *State
+	// present and read are the images dir as last surveyed: archive names, and the indexes read
+	// from them (an archive that could not be read is absent from read).
+	present []string
+	read    map[string]*airgap.Index
+	plan    *Plan
+	listed  bool // plan was resolved against a containerd list (adoptK3sPins needs that)
 }
 
-// NewAgent returns an Agent on client. The containerd namespace comes from each call's context.
-func NewAgent(client *containerd.Client, cfg Config) *Agent {
+// NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
+func NewAgent(cd Containerd, cfg Config) *Agent {
 	a := &Agent{
-		client:   client,
+		cd:       cd,
 		cfg:      cfg,
-		importer: NewImporter(client, cfg.ExtraRegistries),
-		pinner:   pinning.NewPinner(client.ImageService()),
+		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries},
+		pinner:   pinning.NewPinner(cd.Images),
 		state:    loadState(cfg.StateFile),
-		keeper:   &Keeper{policy: cfg.Policy},
-		owners:   ownership(nil),
+		keeper:   &Keeper{},
+		metrics:  newMetrics(),
 	}
-	a.keeper.publishRecorded(a.state)
+	// Before the first reconcile, every archive recorded is taken as present, so that a kubelet
+	// starting beside the agent never sees a gap.
+	a.present = slices.Collect(maps.Keys(a.state.Archives))
+	a.plan = a.newPlan(a.present, nil)
+	a.keeper.publish(a.plan, nil)
 	return a
 }
 
@@ -61,6 +121,9 @@ func NewAgent(client *containerd.Client, cfg Config) *Agent {
 //		return keeper.Keep(img.ID, img.RepoTags, img.RepoDigests)
 //	})
 func (a *Agent) Keeper() *Keeper { return a.keeper }
+
+// Metrics are the agent's Prometheus metrics, for the program to register where it serves them.
+func (a *Agent) Metrics() prometheus.Collector { return a.metrics }
 
 func loadState(path string) *State {
 	if path == "" {
@@ -86,15 +149,22 @@ func (a *Agent) saveState() {
 	}
 }
 
+// newPlan is the keep-decision for the archives present, with the indexes read from them.
+func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *Plan {
+	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries})
+}
+
+// replan makes the plan again from the last survey and the state, after the state changed.
+func (a *Agent) replan() { a.plan = a.newPlan(a.present, a.read) }
+
 // ArchiveReport is what Sync did with one archive.
 type ArchiveReport struct {
-	Archive  Archive
-	Format   Format
+	Archive  airgap.Archive
+	Format   airgap.Format
 	Imported bool // content was imported (tarball) or pulled (list)
 	Refs     []RefResult
 	Shadowed []Conflict // references this archive also provides, loaded from an earlier one
 	Err      error
-	index    *Index // what the archive provides; nil when it could not be read
 }
 
 // SyncReport is what Sync did.
@@ -119,82 +189,106 @@ func (r *SyncReport) Err() error {
 	return errors.Join(append(errs, r.PolicyErr)...)
 }
 
-// Sync imports what the images dir holds and containerd lacks, pins every reference the images
-// dir provides, then pins what the policy wants. One bad archive never stops the others, and no
-// pin is ever removed.
-func (a *Agent) Sync(ctx context.Context) *SyncReport {
-	start := time.Now()
-	defer func() { metrics.reconcile.Observe(time.Since(start).Seconds()) }()
-	report := &SyncReport{}
-	archives, scanErrs := Scan(a.cfg.ImagesDir)
-	report.ScanErrors = scanErrs
-	seen := map[string]bool{}
-	for _, err := range scanErrs {
-		logrus.Errorf("images dir: %v", err)
-		if errors.Is(err, errDirUnreadable) {
+// survey is the images dir as read now.
+type survey struct {
+	archives []airgap.Archive
+	present  []string // archive names; every recorded one when the dir cannot be read
+	read     map[string]*airgap.Index
+	digests  map[string]digest.Digest // content digest of each archive read
+	errs     map[string]error         // why an archive could not be read (in full, for lists)
+	scanErrs []error
+}
+
+// survey scans the images dir and indexes every archive: which archive provides a reference is
+// decided over all of them before any is loaded (ownership).
+func (a *Agent) survey() *survey {
+	sv := &survey{read: map[string]*airgap.Index{}, digests: map[string]digest.Digest{}, errs: map[string]error{}}
+	sv.archives, sv.scanErrs = airgap.Scan(a.cfg.ImagesDir)
+	for _, err := range sv.scanErrs {
+		if errors.Is(err, airgap.ErrDirUnreadable) {
 			// Not an empty dir: nothing left it. Every recorded archive keeps what it provided
 			// until the dir can be read again.
-			logrus.Errorf("images dir %s cannot be read: keeping every image its archives provided", a.cfg.ImagesDir)
-			for name := range a.state.Archives {
-				seen[name] = true
-			}
+			sv.present = append(sv.present, slices.Collect(maps.Keys(a.state.Archives))...)
 		}
 	}
-	// Every archive is indexed before any is loaded: which archive provides a reference is
-	// decided over all of them (ownership).
-	type indexed struct {
-		ar         Archive
-		idx        *Index
-		fileDigest digest.Digest
-		err        error
-	}
-	var all []indexed
-	var claims, indexes []*Index
-	for _, ar := range archives {
-		seen[ar.Name()] = true
+	for _, ar := range sv.archives {
+		sv.present = append(sv.present, ar.Name())
 		idx, d, err := a.index(ar)
-		all = append(all, indexed{ar, idx, d, err})
 		if idx != nil {
-			indexes = append(indexes, idx)
-			claims = append(claims, idx)
-		} else if rec := a.state.Archives[ar.Name()]; rec != nil {
-			claims = append(claims, rec.index(ar)) // damaged now: it keeps what it loaded
+			sv.read[ar.Name()], sv.digests[ar.Name()] = idx, d
+		}
+		if err != nil {
+			sv.errs[ar.Name()] = err
 		}
 	}
-	a.setOwners(ownership(claims))
+	return sv
+}
+
+// Sync imports what the images dir holds and containerd lacks, pins every reference the images
+// dir provides, then pins what the policy wants. One bad archive never stops the others, and no
+// pin is ever removed but ours, when what it recorded no longer wants the image.
+func (a *Agent) Sync(ctx context.Context) *SyncReport {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.sync(ctx)
+}
+
+func (a *Agent) sync(ctx context.Context) *SyncReport {
+	start := time.Now()
+	defer func() { a.metrics.reconcile.Observe(time.Since(start).Seconds()) }()
+	sv := a.survey()
+	report := &SyncReport{ScanErrors: sv.scanErrs}
+	for _, err := range sv.scanErrs {
+		logrus.Errorf("images dir: %v", err)
+		if errors.Is(err, airgap.ErrDirUnreadable) {
+			logrus.Errorf("images dir %s cannot be read: keeping every image its archives provided", a.cfg.ImagesDir)
+		}
+	}
+	a.present, a.read = sv.present, sv.read
+	a.setPlan()
+	var releases []release
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
 	for _, lists := range []bool{false, true} {
-		for _, x := range all {
-			if x.ar.IsList() == lists {
-				report.Archives = append(report.Archives, a.load(ctx, x.ar, x.idx, x.fileDigest, x.err))
+		for _, ar := range sv.archives {
+			if ar.IsList() == lists {
+				rep, rel := a.load(ctx, ar, sv.read[ar.Name()], sv.digests[ar.Name()], sv.errs[ar.Name()])
+				report.Archives = append(report.Archives, rep)
+				releases = append(releases, rel...)
 			}
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
-		if !seen[name] {
+		if !slices.Contains(a.present, name) {
 			logrus.Infof("%s left the images dir: unpinning what only it wanted", name)
-			old := a.state.Archives[name]
+			releases = append(releases, release{source: name, had: a.state.Archives[name].Refs})
 			delete(a.state.Archives, name)
-			a.release(ctx, name, old.Refs, nil)
 		}
 	}
-	// One list of the store serves the policy's pins and the kubelet's GC filter. Pins the policy
-	// adds do not change what the filter keeps: the policy wants those images either way.
-	listed, err := a.client.ImageService().List(ctx)
+	a.replan()
+	a.release(ctx, releases)
+	// One list of the store serves the pins the plan still lacks (hand imports the policy names,
+	// a reference whose pin was stripped) and the kubelet's GC filter.
+	listed, err := a.cd.Images.List(ctx)
 	if err != nil {
 		report.PolicyErr = fmt.Errorf("list images: %w", err)
 	} else {
-		report.PolicyPinned, report.PolicyErr = a.pinner.PinPolicy(ctx, a.cfg.Policy, listed)
-		a.wanted = newWantedSet(slices.Collect(maps.Keys(seen)), indexes, a.state, a.cfg.Policy, a.cfg.ExtraRegistries)
-		a.keeper.publish(a.wanted, listed)
-	}
-	for _, ref := range report.PolicyPinned {
-		logrus.Infof("pinned %s: --pinned-images/--pinned-image-labels want it", ref)
+		pinned, err := a.pinner.PinWanted(ctx, listed, a.plan.Source)
+		report.PolicyErr = err
+		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
+			if pinned[ref] == pinning.SourcePolicy {
+				report.PolicyPinned = append(report.PolicyPinned, ref)
+				logrus.Infof("pinned %s: --pinned-images/--pinned-image-labels want it", ref)
+			} else {
+				logrus.Infof("pinned %s again (%s wants it)", ref, pinned[ref])
+			}
+		}
+		a.keeper.publish(a.plan, listed)
+		a.listed = true
 	}
 	if report.PolicyErr != nil {
 		logrus.Errorf("policy: %v; the kubelet's GC filter keeps answering from the last reconcile", report.PolicyErr)
 	}
-	observeReferences(report)
+	a.metrics.observeReferences(report)
 	a.state.Agent.LastReconcile = time.Now()
 	a.state.Agent.ArchiveErrors = map[string]string{}
 	for _, ar := range report.Archives {
@@ -206,49 +300,54 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 	return report
 }
 
-// setOwners makes o the ownership the next loads follow, and logs each conflict once, when it
-// first appears.
-func (a *Agent) setOwners(o *owners) {
+// setPlan makes the plan for the last survey, and logs each conflict once, when it first appears.
+func (a *Agent) setPlan() {
 	known := map[Conflict]bool{}
-	if a.owners != nil {
-		for _, c := range a.owners.conflicts {
+	if a.plan != nil {
+		for _, c := range a.plan.Conflicts() {
 			known[c] = true
 		}
 	}
-	for _, c := range o.conflicts {
+	a.replan()
+	for _, c := range a.plan.Conflicts() {
 		if !known[c] {
 			logrus.Warnf("conflict: %v; remove it from one archive, or rename them so the one you want sorts first", c)
 		}
 	}
-	a.owners = o
 }
 
-// syncArchive indexes and loads one archive (a restore), under the ownership of the last sync.
-func (a *Agent) syncArchive(ctx context.Context, ar Archive) ArchiveReport {
+// syncArchive indexes and loads one archive (a restore), under the plan of the last sync.
+func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveReport {
 	idx, d, err := a.index(ar)
-	return a.load(ctx, ar, idx, d, err)
+	if idx != nil {
+		a.read[ar.Name()] = idx
+	}
+	rep, releases := a.load(ctx, ar, idx, d, err)
+	a.replan()
+	a.release(ctx, releases)
+	return rep
 }
 
 // load imports and pins what ar provides (idx, as read with indexErr), except the references
-// another archive owns, and records it.
-func (a *Agent) load(ctx context.Context, ar Archive, idx *Index, fileDigest digest.Digest, indexErr error) ArchiveReport {
+// another archive owns, and records it. It returns what the archive's previous content provided
+// and it no longer does, to release once the plan is made again.
+func (a *Agent) load(ctx context.Context, ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, indexErr error) (ArchiveReport, []release) {
 	rep := ArchiveReport{Archive: ar}
-	old := a.state.Archives[ar.Name()]
 	if idx == nil {
 		rep.Err = indexErr
 		logrus.Errorf("%v", indexErr)
-		return rep // the old record and its pins stay: a broken file never unpins anything
+		return rep, nil // the old record and its pins stay: a broken file never unpins anything
 	}
-	rep.Format, rep.index, rep.Shadowed = idx.Format, idx, a.owners.shadowed(ar.Name())
-	refs, imported, loadErr := a.importer.Load(ctx, a.owners.loadable(idx))
+	rep.Format, rep.Shadowed = idx.Format, a.plan.owners.shadowed(ar.Name())
+	refs, imported, loadErr := a.importer.Load(ctx, a.plan.owners.loadable(idx))
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
 	if loadErr != nil && len(refs) == 0 {
 		// The import failed as a whole (a full disk, containerd going away): like a damaged file,
 		// the old record and its pins stay, and the next sync or restore tries again.
 		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
-		return rep
+		return rep, nil
 	}
-	a.record(ctx, ar, idx, fileDigest, old, refs)
+	rel := a.record(ar, idx, contentDigest, refs)
 	for _, r := range refs {
 		switch {
 		case r.Err != nil:
@@ -262,33 +361,36 @@ func (a *Agent) load(ctx context.Context, ar Archive, idx *Index, fileDigest dig
 	if rep.Err != nil {
 		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
 	}
-	return rep
+	return rep, rel
 }
 
-// index is what ar provides, and the digest of the file. With the recorded size and mtime it
-// comes from the state: a restart reads, hashes and imports nothing. Otherwise the file is
-// hashed, and if only its mtime moved (`touch`, the usual nudge for k3s issue 2961) the recorded
-// index still stands; only new content is read.
-func (a *Agent) index(ar Archive) (*Index, digest.Digest, error) {
+// index is what ar provides, and the digest of its content. With the recorded size and mtime it
+// comes from the state: a restart reads and imports nothing. Otherwise the archive is read once,
+// index and digest together; if only its mtime moved (`touch`, the usual nudge for k3s issue
+// 2961) the recorded index stands, with the digests its import learnt.
+func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 	rec := a.state.Archives[ar.Name()]
 	if rec.unchanged(ar) {
 		return rec.index(ar), rec.Digest, nil
 	}
-	d, err := fileDigest(ar.Path)
-	if err != nil {
-		return nil, "", &ArchiveError{Path: ar.Path, Err: err}
-	}
-	if rec != nil && rec.Digest == d {
+	idx, d, err := airgap.ReadFile(ar)
+	if rec != nil && d != "" && rec.Digest == d {
 		return rec.index(ar), d, nil
 	}
-	idx, err := ReadIndex(ar)
 	return idx, d, err
 }
 
-// record stores what ar provided, and unpins what its previous content provided and it no longer
+// release is what source provided before (had) and no longer does (all of it once it left).
+type release struct {
+	source string
+	had    map[string]digest.Digest
+}
+
+// record stores what ar provided, and returns what its previous content provided and it no longer
 // does (an archive replaced under the same name).
-func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, fileDigest digest.Digest, old *ArchiveState, refs []RefResult) {
-	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Digest: fileDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
+func (a *Agent) record(ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, refs []RefResult) []release {
+	old := a.state.Archives[ar.Name()]
+	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Digest: contentDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
 	for _, r := range refs {
 		switch {
 		case r.Err == nil && r.Digest != "":
@@ -303,103 +405,99 @@ func (a *Agent) record(ctx context.Context, ar Archive, idx *Index, fileDigest d
 		}
 		rec.Images = append(rec.Images, img)
 	}
-	if old != nil {
-		for ref, d := range old.Refs {
-			if nd, ok := rec.Refs[ref]; ok && nd != d {
-				logrus.Infof("%s: %s updated from %s to %s", ar.Name(), ref, d, nd)
+	a.state.Archives[ar.Name()] = rec
+	if old == nil {
+		return nil
+	}
+	gone := map[string]digest.Digest{}
+	for ref, d := range old.Refs {
+		if nd, ok := rec.Refs[ref]; !ok {
+			gone[ref] = d
+		} else if nd != d {
+			logrus.Infof("%s: %s updated from %s to %s", ar.Name(), ref, d, nd)
+		}
+	}
+	return []release{{source: ar.Name(), had: gone}}
+}
+
+// release gives up what each source pinned and no longer provides, after the plan was made
+// again: a pin recorded as the source's passes to what the plan says wants the reference now (the
+// next archive that provides it, or the policy); with nothing, it is removed. The images stay, for
+// the kubelet to collect when it needs the space; a pin recorded as anyone else's is not touched.
+func (a *Agent) release(ctx context.Context, releases []release) {
+	for _, rel := range releases {
+		for _, ref := range slices.Sorted(maps.Keys(rel.had)) {
+			img, err := a.cd.Images.Get(ctx, ref)
+			if errdefs.IsNotFound(err) {
+				continue // gone already
+			}
+			if err != nil {
+				logrus.Errorf("release %s from %s: %v", ref, rel.source, err)
+				continue
+			}
+			heir := a.plan.Heir(img, rel.source)
+			released, err := a.pinner.Release(ctx, ref, rel.source, heir)
+			switch {
+			case err != nil:
+				logrus.Errorf("release %s from %s: %v", ref, rel.source, err)
+			case !released:
+			case heir != "":
+				logrus.Infof("%s: %s no longer provides it; %s still wants it", ref, rel.source, heir)
+			default:
+				logrus.Infof("unpinned %s: %s no longer provides it", ref, rel.source)
 			}
 		}
 	}
-	a.state.Archives[ar.Name()] = rec
-	if old != nil {
-		a.release(ctx, ar.Name(), old.Refs, rec.Refs)
-	}
 }
 
-// release gives up what source pinned and no longer provides (keep), after source's own record
-// was updated or removed. A pin recorded as source's passes to the next archive that provides the
-// reference, or to the policy; with neither, it is removed. The images stay, for the kubelet to
-// collect when it needs the space; a pin recorded as anyone else's is not touched.
-func (a *Agent) release(ctx context.Context, source string, had, keep map[string]digest.Digest) {
-	store := a.client.ImageService()
-	for ref := range had {
-		if _, ok := keep[ref]; ok {
-			continue
-		}
-		img, err := store.Get(ctx, ref)
-		if err != nil {
-			continue // gone already
-		}
-		if src, ours := pinning.OwnPin(img.Labels); !ours || src != source {
-			continue
-		}
-		heir := a.archiveOf(ref)
-		if heir == "" && a.cfg.Policy.Wants(img) {
-			heir = pinning.SourcePolicy
-		}
-		if heir != "" {
-			err = a.pinner.Transfer(ctx, ref, source, heir)
-		} else {
-			err = a.pinner.Unpin(ctx, ref)
-		}
-		switch {
-		case err != nil:
-			logrus.Errorf("release %s from %s: %v", ref, source, err)
-		case heir != "":
-			logrus.Infof("%s: %s no longer provides it; %s still wants it", ref, source, heir)
-		default:
-			logrus.Infof("unpinned %s: %s no longer provides it", ref, source)
-		}
-	}
+// View is the agent's own view (last reconcile, restores, failures).
+func (a *Agent) View() AgentView {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.state.Agent
 }
-
-// View is the agent's own view (last reconcile, restores, failures). Not safe while Run runs:
-// other processes read it from the state file.
-func (a *Agent) View() AgentView { return a.state.Agent }
 
 // PinManual pins ref by hand (`k3s-pinning pin`), recorded as SourceManual.
 func (a *Agent) PinManual(ctx context.Context, ref string) (pinning.PinResult, error) {
-	name, err := a.existingName(ctx, ref)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	img, err := a.existing(ctx, ref)
 	if err != nil {
 		return 0, err
 	}
-	return a.pinner.Pin(ctx, name, pinning.SourceManual)
+	return a.pinner.PinImage(ctx, img, pinning.SourceManual)
 }
 
 // UnpinManual removes our pin from ref (`k3s-pinning unpin`). It never removes a pin we did not
 // set. wantedBy names what still wants ref kept, so the caller can say that sync will pin it again.
 func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, err error) {
-	name, err := a.existingName(ctx, ref)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	img, err := a.existing(ctx, ref)
 	if err != nil {
 		return "", err
 	}
-	img, err := a.client.ImageService().Get(ctx, name)
-	if err != nil {
+	if err := a.pinner.Unpin(ctx, img.Name); err != nil {
 		return "", err
 	}
-	if err := a.pinner.Unpin(ctx, name); err != nil {
-		return "", err
-	}
-	snap, err := a.Inspect(ctx)
-	if err != nil {
-		return "", nil
-	}
-	if src, ok := snap.wanted.source(img); ok && src != pinning.SourceManual {
-		return src, nil
-	}
-	return "", nil
+	sv := a.survey()
+	return a.newPlan(sv.present, sv.read).Heir(img, pinning.SourceManual), nil
 }
 
-// existingName resolves ref as given or in its normalized form (nginx:1 is docker.io/library/nginx:1).
-func (a *Agent) existingName(ctx context.Context, ref string) (string, error) {
-	store := a.client.ImageService()
-	if _, err := store.Get(ctx, ref); err == nil {
-		return ref, nil
-	}
-	if n := normalize(ref); n != ref {
-		if _, err := store.Get(ctx, n); err == nil {
-			return n, nil
+// existing is the image ref names, as given or in its normalized form (nginx:1 is
+// docker.io/library/nginx:1).
+func (a *Agent) existing(ctx context.Context, ref string) (images.Image, error) {
+	img, err := a.cd.Images.Get(ctx, ref)
+	if errdefs.IsNotFound(err) {
+		if n := normalize(ref); n != ref {
+			img, err = a.cd.Images.Get(ctx, n)
 		}
 	}
-	return "", fmt.Errorf("image %s: not found in containerd", ref)
+	if errdefs.IsNotFound(err) {
+		return images.Image{}, fmt.Errorf("image %s: not found in containerd", ref)
+	}
+	if err != nil {
+		return images.Image{}, fmt.Errorf("image %s: %w", ref, err)
+	}
+	return img, nil
 }

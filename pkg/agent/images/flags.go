@@ -1,104 +1,127 @@
 package images
 
 import (
+	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
-// PolicyOptions holds the values of the policy flags.
-type PolicyOptions struct {
-	PinnedImages      cli.StringSlice
-	PinnedImageLabels cli.StringSlice
+// Flag names: a contract, as k3s's own flags are (command line, K3S_ variables, config.yaml keys).
+const (
+	FlagPinnedImages        = "pinned-images"
+	FlagPinnedImageLabels   = "pinned-image-labels"
+	FlagDisableImagePinning = "disable-image-pinning"
+	FlagDisableImageRestore = "disable-image-restore"
+)
+
+// PolicyValues are the values of the policy flags, plain.
+type PolicyValues struct {
+	PinnedImages      []string
+	PinnedImageLabels []string
 }
 
-// PolicyFlags are the policy flags, written for urfave/cli/v2 as k3s writes its own, so that the
-// same definitions can be appended to the `k3s agent` and `k3s server` commands. Each call returns
-// new flag values: urfave flags keep per-parse state and must not be shared between commands.
-// envPrefix is k3s's version.ProgramUpper ("K3S", or "RKE2" in rke2).
-func PolicyFlags(o *PolicyOptions, envPrefix string) []cli.Flag {
-	return []cli.Flag{
-		&cli.StringSliceFlag{
-			Name:        "pinned-images",
-			Usage:       "(agent/images) Keep these images too, e.g. hand imports: repo:tag, repo@digest, bare repo (every tag), or glob (registry.local/*)",
-			EnvVars:     []string{envPrefix + "_PINNED_IMAGES"},
-			Destination: &o.PinnedImages,
-		},
-		&cli.StringSliceFlag{
-			Name:        "pinned-image-labels",
-			Usage:       "(agent/images) Keep images carrying these containerd labels: key or key=value",
-			EnvVars:     []string{envPrefix + "_PINNED_IMAGE_LABELS"},
-			Destination: &o.PinnedImageLabels,
-		},
+// Policy parses the values; a malformed one is an error naming its flag and the value.
+func (v PolicyValues) Policy() (*pinning.Policy, error) {
+	p, err := pinning.NewPolicy(v.PinnedImages, v.PinnedImageLabels)
+	var pe *pinning.PolicyError
+	if errors.As(err, &pe) {
+		flag := FlagPinnedImages
+		if pe.Label {
+			flag = FlagPinnedImageLabels
+		}
+		return nil, fmt.Errorf("--%s %q: %w", flag, pe.Value, pe.Err)
 	}
+	return p, err
 }
 
-// Policy parses the flag values; a malformed pattern is an error naming the flag and the value.
-func (o *PolicyOptions) Policy() (*pinning.Policy, error) {
-	return pinning.NewPolicy(o.PinnedImages.Value(), o.PinnedImageLabels.Value())
-}
-
-// K3sOptions are the values of the flags a patched k3s adds to `k3s agent` and `k3s server`
-// (both run an agent). Every one is also a K3S_ environment variable and a key of
-// /etc/rancher/k3s/config.yaml, as every k3s flag is.
-type K3sOptions struct {
+// K3sSettings are the values of the flags a patched k3s adds to `k3s agent` and `k3s server`
+// (both run an agent), plain: K3sFlags fills them as the command line is parsed.
+type K3sSettings struct {
 	// DisableImagePinning leaves the images dir to k3s's own import: no pins set at creation, no
 	// restore, no kubelet GC filter.
 	DisableImagePinning bool
 	// DisableImageRestore keeps pinning but does not re-import a deleted image from its archive.
 	DisableImageRestore bool
-	Policy              PolicyOptions
+	PolicyValues
 }
 
-// K3sFlags are the k3s-pinning flags of one k3s command; call it once per command, with the same
-// options. envPrefix is k3s's version.ProgramUpper. Each flag that is set (on the command line, as
-// a K3S_ variable or a config.yaml key) checks all the values once they are parsed, so that a bad
-// one stops k3s before it starts anything, with an error naming the flag (k3s exits 1 on a parse
-// error; the agent's check when it loads agent/images can only request a shutdown).
-func K3sFlags(o *K3sOptions, envPrefix string) []cli.Flag {
-	flags := k3sFlags(o, envPrefix)
-	validate := func(*cli.Context) error {
-		_, err := o.Validate()
-		return err
+// Check checks the values, naming the flag of a bad one, and returns the policy they describe.
+func (s K3sSettings) Check() (*pinning.Policy, error) {
+	if s.DisableImagePinning && (len(s.PinnedImages) > 0 || len(s.PinnedImageLabels) > 0) {
+		return nil, fmt.Errorf("--%s and --%s need image pinning; remove them or --%s", FlagPinnedImages, FlagPinnedImageLabels, FlagDisableImagePinning)
 	}
+	return s.Policy()
+}
+
+// PolicyFlags are the policy flags, written for urfave/cli/v2 as k3s writes its own. Once the
+// command line is parsed, v holds their values; a malformed value stops the command before its
+// action runs, with an error naming the flag. Each call returns new flags: urfave flags keep
+// per-parse state and must not be shared between commands. envPrefix is k3s's
+// version.ProgramUpper ("K3S", or "RKE2" in rke2).
+func PolicyFlags(v *PolicyValues, envPrefix string) []cli.Flag {
+	return actions(policyFlags(envPrefix), func(c *cli.Context) error {
+		*v = policyValues(c)
+		_, err := v.Policy()
+		return err
+	})
+}
+
+// K3sFlags are the k3s-pinning flags of one k3s command, to append to its flags (call it once
+// per command, with the same settings). Every one is also an envPrefix_ environment variable and
+// a key of /etc/rancher/k3s/config.yaml, as every k3s flag is. Once the command line is parsed, s
+// holds their values; a bad value stops k3s before it starts anything, with an error naming the
+// flag (k3s exits 1 on a parse error; the agent, once started, could only request a shutdown).
+func K3sFlags(s *K3sSettings, envPrefix string) []cli.Flag {
+	flags := append([]cli.Flag{
+		&cli.BoolFlag{Name: FlagDisableImagePinning, EnvVars: envVars(envPrefix, FlagDisableImagePinning),
+			Usage: "(agent/images) Import agent/images as k3s does without k3s-pinning: no pin at creation, no restore, no kubelet image GC filter"},
+		&cli.BoolFlag{Name: FlagDisableImageRestore, EnvVars: envVars(envPrefix, FlagDisableImageRestore),
+			Usage: "(agent/images) Keep air-gap images pinned, but do not re-import one that was deleted from its archive"},
+	}, policyFlags(envPrefix)...)
+	return actions(flags, func(c *cli.Context) error {
+		*s = K3sSettings{
+			DisableImagePinning: c.Bool(FlagDisableImagePinning),
+			DisableImageRestore: c.Bool(FlagDisableImageRestore),
+			PolicyValues:        policyValues(c),
+		}
+		_, err := s.Check()
+		return err
+	})
+}
+
+func policyFlags(envPrefix string) []cli.Flag {
+	return []cli.Flag{
+		&cli.StringSliceFlag{Name: FlagPinnedImages, EnvVars: envVars(envPrefix, FlagPinnedImages),
+			Usage: "(agent/images) Keep these images too, e.g. hand imports: repo:tag, repo@digest, bare repo (every tag), or glob (registry.local/*)"},
+		&cli.StringSliceFlag{Name: FlagPinnedImageLabels, EnvVars: envVars(envPrefix, FlagPinnedImageLabels),
+			Usage: "(agent/images) Keep images carrying these containerd labels: key or key=value"},
+	}
+}
+
+// envVars is the variable k3s reads a flag from: K3S_PINNED_IMAGES for --pinned-images.
+func envVars(envPrefix, flag string) []string {
+	return []string{envPrefix + "_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))}
+}
+
+func policyValues(c *cli.Context) PolicyValues {
+	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels)}
+}
+
+// actions makes every flag that is set (on the command line, in the environment or the config
+// file) read all the values and check them, once parsing is done: whichever flags are given, the
+// values are read and checked whole, before the command's action.
+func actions(flags []cli.Flag, read func(*cli.Context) error) []cli.Flag {
 	for _, f := range flags {
 		switch f := f.(type) {
 		case *cli.BoolFlag:
-			f.Action = func(c *cli.Context, _ bool) error { return validate(c) }
+			f.Action = func(c *cli.Context, _ bool) error { return read(c) }
 		case *cli.StringSliceFlag:
-			f.Action = func(c *cli.Context, _ []string) error { return validate(c) }
+			f.Action = func(c *cli.Context, _ []string) error { return read(c) }
 		}
 	}
 	return flags
-}
-
-func k3sFlags(o *K3sOptions, envPrefix string) []cli.Flag {
-	return append([]cli.Flag{
-		&cli.BoolFlag{
-			Name:        "disable-image-pinning",
-			Usage:       "(agent/images) Import agent/images as k3s does without k3s-pinning: no pin at creation, no restore, no kubelet image GC filter",
-			EnvVars:     []string{envPrefix + "_DISABLE_IMAGE_PINNING"},
-			Destination: &o.DisableImagePinning,
-		},
-		&cli.BoolFlag{
-			Name:        "disable-image-restore",
-			Usage:       "(agent/images) Keep air-gap images pinned, but do not re-import one that was deleted from its archive",
-			EnvVars:     []string{envPrefix + "_DISABLE_IMAGE_RESTORE"},
-			Destination: &o.DisableImageRestore,
-		},
-	}, PolicyFlags(&o.Policy, envPrefix)...)
-}
-
-// Enabled reports whether k3s-pinning takes over the images dir.
-func (o *K3sOptions) Enabled() bool { return !o.DisableImagePinning }
-
-// Validate checks the values once parsed, naming the flag of a bad one, and returns the policy
-// they describe.
-func (o *K3sOptions) Validate() (*pinning.Policy, error) {
-	if o.DisableImagePinning && (len(o.Policy.PinnedImages.Value()) > 0 || len(o.Policy.PinnedImageLabels.Value()) > 0) {
-		return nil, fmt.Errorf("--pinned-images and --pinned-image-labels need image pinning; remove them or --disable-image-pinning")
-	}
-	return o.Policy.Policy()
 }

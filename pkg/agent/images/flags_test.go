@@ -11,8 +11,8 @@ import (
 
 // k3sApp is a k3s-like app: `server` and `agent` each with the k3s-pinning flags appended, as the
 // patch appends them, sharing one options value.
-func k3sApp(o *images.K3sOptions, prefix string) *cli.App {
-	action := func(*cli.Context) error { _, err := o.Validate(); return err }
+func k3sApp(o *images.K3sSettings, prefix string) *cli.App {
+	action := func(*cli.Context) error { return nil }
 	return &cli.App{
 		Name: "k3s",
 		Commands: []*cli.Command{
@@ -29,32 +29,32 @@ func TestK3sFlags(t *testing.T) {
 		env     map[string]string
 		prefix  string
 		wantErr string // "" parses; else the error names this
-		check   func(*images.K3sOptions) bool
+		check   func(*images.K3sSettings) bool
 	}{
 		{name: "defaults: pinning and restore on, no policy", args: []string{"agent"},
-			check: func(o *images.K3sOptions) bool {
-				return o.Enabled() && !o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 0
+			check: func(o *images.K3sSettings) bool {
+				return !o.DisableImagePinning && !o.DisableImageRestore && len(o.PinnedImages) == 0
 			}},
 		{name: "server has them too", args: []string{"server", "--disable-image-restore", "--pinned-images", "registry.local/*"},
-			check: func(o *images.K3sOptions) bool {
-				return o.Enabled() && o.DisableImageRestore && strings.Join(o.Policy.PinnedImages.Value(), ",") == "registry.local/*"
+			check: func(o *images.K3sSettings) bool {
+				return !o.DisableImagePinning && o.DisableImageRestore && strings.Join(o.PinnedImages, ",") == "registry.local/*"
 			}},
 		// What k3s's config file (/etc/rancher/k3s/config.yaml) becomes: `key: value` and lists as
 		// repeated --key=value, before the command line.
 		{name: "config-file keys", args: []string{"agent", "--disable-image-restore=true", "--pinned-images=a.example/x:1", "--pinned-images=b.example/*", "--pinned-image-labels=team=infra"},
-			check: func(o *images.K3sOptions) bool {
-				return o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 2 && o.Policy.PinnedImageLabels.Value()[0] == "team=infra"
+			check: func(o *images.K3sSettings) bool {
+				return o.DisableImageRestore && len(o.PinnedImages) == 2 && o.PinnedImageLabels[0] == "team=infra"
 			}},
 		{name: "K3S_ environment variables", args: []string{"agent"},
 			env: map[string]string{"K3S_DISABLE_IMAGE_RESTORE": "true", "K3S_PINNED_IMAGES": "a.example/x:1,b.example/*"},
-			check: func(o *images.K3sOptions) bool {
-				return o.DisableImageRestore && len(o.Policy.PinnedImages.Value()) == 2
+			check: func(o *images.K3sSettings) bool {
+				return o.DisableImageRestore && len(o.PinnedImages) == 2
 			}},
 		{name: "the program's own prefix (rke2)", args: []string{"agent"}, prefix: "RKE2",
 			env:   map[string]string{"RKE2_DISABLE_IMAGE_PINNING": "true", "K3S_DISABLE_IMAGE_PINNING": "false"},
-			check: func(o *images.K3sOptions) bool { return !o.Enabled() }},
+			check: func(o *images.K3sSettings) bool { return !!o.DisableImagePinning }},
 		{name: "disabled", args: []string{"agent", "--disable-image-pinning"},
-			check: func(o *images.K3sOptions) bool { return !o.Enabled() }},
+			check: func(o *images.K3sSettings) bool { return !!o.DisableImagePinning }},
 		{name: "bad boolean", args: []string{"agent", "--disable-image-pinning=maybe"}, wantErr: "disable-image-pinning"},
 		{name: "bad boolean in the environment", args: []string{"agent"},
 			env: map[string]string{"K3S_DISABLE_IMAGE_RESTORE": "perhaps"}, wantErr: "disable-image-restore"},
@@ -70,7 +70,7 @@ func TestK3sFlags(t *testing.T) {
 			if prefix == "" {
 				prefix = "K3S"
 			}
-			o := &images.K3sOptions{}
+			o := &images.K3sSettings{}
 			err := k3sApp(o, prefix).Run(append([]string{"k3s"}, c.args...))
 			switch {
 			case c.wantErr == "" && err != nil:
@@ -99,7 +99,7 @@ func TestK3sFlagsRefuseBadValuesBeforeTheCommandRuns(t *testing.T) {
 		for k, v := range c.env {
 			t.Setenv(k, v)
 		}
-		o := &images.K3sOptions{}
+		o := &images.K3sSettings{}
 		ran := false
 		run := func(*cli.Context) error { ran = true; return nil }
 		app := &cli.App{Name: "k3s", Commands: []*cli.Command{

@@ -349,13 +349,13 @@ func TestConflictingArchivesFirstByNameWins(t *testing.T) {
 		t.Fatal(err)
 	}
 	found := false
-	for _, f := range snap.Findings() {
-		if f.Subject == "acc.example/app:1.0" && strings.Contains(f.Problem, "a.tar") && strings.Contains(f.Problem, "b.tar.zst") {
+	for _, c := range snap.Conflicts {
+		if c.Ref == "acc.example/app:1.0" && c.Owner == "a.tar" && c.Shadowed == "b.tar.zst" {
 			found = true
 		}
 	}
 	if !found {
-		t.Errorf("doctor does not show the conflict: %+v", snap.Findings())
+		t.Errorf("the snapshot (what doctor reports) does not show the conflict: %+v", snap.Conflicts)
 	}
 	os.Remove(filepath.Join(n.imagesDir, "a.tar"))
 	if err := a.Sync(n.ctx).Err(); err != nil {

@@ -8,10 +8,10 @@ import (
 	"strings"
 	"time"
 
-	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/images/archive"
+	"github.com/containerd/containerd/v2/core/leases"
 	containerdlabels "github.com/containerd/containerd/v2/pkg/labels"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/platforms"
@@ -19,30 +19,20 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/sirupsen/logrus"
-	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
-// Importer puts what an archive provides into containerd, each reference pinned from the moment
+// importer puts what an archive provides into containerd, each reference pinned from the moment
 // it is created. The namespace is carried in the context.
-type Importer struct {
-	client *containerd.Client
-	cri    runtimeapi.ImageServiceClient
+type importer struct {
+	cd     Containerd
+	pinner *pinning.Pinner
 	// extraRegistries are the --airgap-extra-registry values: every imported tag is also created
 	// under each of these registries, as k3s does.
 	extraRegistries []string
-}
-
-// NewImporter returns an Importer over client; the CRI image service is reached on the same
-// connection, since containerd serves it on its own socket.
-func NewImporter(client *containerd.Client, extraRegistries []string) *Importer {
-	return &Importer{
-		client:          client,
-		cri:             runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn)),
-		extraRegistries: extraRegistries,
-	}
 }
 
 // RefResult is one reference an archive provides, after import or verification.
@@ -57,8 +47,8 @@ type RefResult struct {
 // of its images is missing or points elsewhere; otherwise its references are only verified and
 // pinned. A list pulls, through the CRI, what is not present. imported says whether content was
 // imported or pulled.
-func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imported bool, err error) {
-	if idx.Format == ImageList {
+func (im *importer) Load(ctx context.Context, idx *airgap.Index) (refs []RefResult, imported bool, err error) {
+	if idx.Format == airgap.ImageList {
 		return im.pullList(ctx, idx)
 	}
 	targets, complete, err := im.presentTargets(ctx, idx)
@@ -68,15 +58,15 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 	if !complete {
 		// The lease holds the imported content until the references exist: released earlier,
 		// containerd's GC may collect content that no image refers to yet.
-		var done func(context.Context) error
-		ctx, done, err = im.client.WithLease(ctx)
+		lease, err := im.cd.Leases.Create(ctx, leases.WithRandomID(), leases.WithExpiration(24*time.Hour))
 		if err != nil {
-			return nil, false, err
+			return nil, false, fmt.Errorf("lease: %w", err)
 		}
-		defer done(ctx)
+		defer im.cd.Leases.Delete(context.WithoutCancel(ctx), lease)
+		ctx = leases.WithLease(ctx, lease.ID)
 		all, err := im.importTarball(ctx, idx.Archive)
 		if err != nil {
-			return nil, false, &ArchiveError{Path: idx.Archive.Path, Err: err}
+			return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
 		targets, imported = indexed(all, idx), true
 		faultPoint("import") // content imported, no reference created yet
@@ -89,13 +79,14 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 			// its name claims is stored under its real digest, and the image would lack it.
 			if err := im.complete(ctx, img.Target); err != nil {
 				for _, name := range names {
-					refs = append(refs, RefResult{Ref: name, Err: &ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", img.Name, err)}})
+					refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", img.Name, err)}})
 				}
 				continue
 			}
 		}
 		for _, name := range names {
-			refs = append(refs, im.putRef(ctx, images.Image{Name: name, Target: img.Target}, source))
+			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source)
+			refs = append(refs, RefResult{Ref: name, Digest: img.Target.Digest.String(), Result: res, Err: err})
 		}
 		if imported {
 			if err := im.labelSources(ctx, img); err != nil {
@@ -110,7 +101,7 @@ func (im *Importer) Load(ctx context.Context, idx *Index) (refs []RefResult, imp
 // as k3s does: the embedded registry (spegel) serves content to peers only for the registries
 // these labels name, the image's own and each --airgap-extra-registry, with the repository path
 // as value. Only these keys are written; the GC labels on the content stay.
-func (im *Importer) labelSources(ctx context.Context, img images.Image) error {
+func (im *importer) labelSources(ctx context.Context, img images.Image) error {
 	named, err := reference.ParseDockerRef(img.Name)
 	if err != nil {
 		return nil // not a registry reference: no registry to name
@@ -121,10 +112,10 @@ func (im *Importer) labelSources(ctx context.Context, img images.Image) error {
 		key := containerdlabels.LabelDistributionSource + "." + strings.TrimSuffix(reg, "/")
 		if _, dup := sources[key]; !dup {
 			sources[key] = reference.Path(named)
-			fields = append(fields, "labels."+key)
+			fields = append(fields, pinning.LabelField(key))
 		}
 	}
-	cs := im.client.ContentStore()
+	cs := im.cd.Content
 	var errs []error
 	label := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
 		if _, err := cs.Update(ctx, content.Info{Digest: desc.Digest, Labels: sources}, fields...); err != nil {
@@ -143,7 +134,7 @@ func (im *Importer) labelSources(ctx context.Context, img images.Image) error {
 
 // indexed are the imported images that idx lists: an archive whose claim on a reference another
 // archive overrules (see ownership) imports its content but does not create that reference.
-func indexed(imported []images.Image, idx *Index) []images.Image {
+func indexed(imported []images.Image, idx *airgap.Index) []images.Image {
 	listed := map[string]bool{}
 	for _, img := range idx.Images {
 		listed[img.Ref] = true
@@ -158,8 +149,8 @@ func indexed(imported []images.Image, idx *Index) []images.Image {
 }
 
 // complete checks that the node's platform of the image target has all its content in the store.
-func (im *Importer) complete(ctx context.Context, target ocispec.Descriptor) error {
-	available, _, _, missing, err := images.Check(ctx, im.client.ContentStore(), target, platforms.Default())
+func (im *importer) complete(ctx context.Context, target ocispec.Descriptor) error {
+	available, _, _, missing, err := images.Check(ctx, im.cd.Content, target, platforms.Default())
 	if err != nil {
 		return err
 	}
@@ -206,13 +197,14 @@ func References(name string, dgst digest.Digest, extraRegistries []string) []str
 }
 
 // presentTargets returns the images of idx as they are in containerd, and whether all of them are
-// there, complete for the node's platform, with the content the archive holds (same manifest digest, or for docker archives, whose
-// manifest containerd writes at import, the same config).
-func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Image, bool, error) {
-	store := im.client.ImageService()
+// there, complete for the node's platform, with the content the archive holds (same manifest
+// digest, or for docker archives, whose manifest containerd writes at import, the same config).
+// Only what containerd says is not found counts as absent: any other error (containerd
+// restarting, a timeout) is returned, and never causes a re-import.
+func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index) ([]images.Image, bool, error) {
 	var found []images.Image
 	for _, want := range idx.Images {
-		img, err := store.Get(ctx, want.Ref)
+		img, err := im.cd.Images.Get(ctx, want.Ref)
 		if errdefs.IsNotFound(err) {
 			return nil, false, nil
 		}
@@ -223,17 +215,22 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 			return nil, false, nil
 		}
 		if want.Digest == "" {
-			config, err := img.Config(ctx, im.client.ContentStore(), platforms.Default())
-			if err != nil || config.Digest != want.ImageID {
+			config, err := img.Config(ctx, im.cd.Content, platforms.Default())
+			if errdefs.IsNotFound(err) || (err == nil && config.Digest != want.ImageID) {
 				return nil, false, nil
+			}
+			if err != nil {
+				return nil, false, err
 			}
 		}
 		// The reference alone is not the image: content deleted under it (the CRI's RemoveImage
 		// racing a restore, then containerd's GC) leaves a name the CRI cannot resolve. The
 		// target blob is enough to ask for: containerd's GC keeps a referenced manifest's
 		// children, and import checked them (complete) when the reference was made.
-		if _, err := im.client.ContentStore().Info(ctx, img.Target.Digest); err != nil {
+		if _, err := im.cd.Content.Info(ctx, img.Target.Digest); errdefs.IsNotFound(err) {
 			return nil, false, nil
+		} else if err != nil {
+			return nil, false, err
 		}
 		found = append(found, img)
 	}
@@ -243,14 +240,14 @@ func (im *Importer) presentTargets(ctx context.Context, idx *Index) ([]images.Im
 // importTarball imports the content of archive a and returns its named top-level images, as
 // client.Import does with all platforms and missing content skipped (k3s's options), but creates
 // no image record: putRef does, with the pin labels. ctx must carry a lease.
-func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Image, error) {
-	rc, err := openArchive(a)
+func (im *importer) importTarball(ctx context.Context, a airgap.Archive) ([]images.Image, error) {
+	rc, err := airgap.FileOpener(a)()
 	if err != nil {
 		return nil, err
 	}
 	defer rc.Close()
 
-	cs := im.client.ContentStore()
+	cs := im.cd.Content
 	index, err := archive.ImportIndex(ctx, cs, rc)
 	if err != nil {
 		return nil, err
@@ -293,65 +290,14 @@ func (im *Importer) importTarball(ctx context.Context, a Archive) ([]images.Imag
 	return named, nil
 }
 
-// putRef makes the reference img.Name point at img.Target with our pin for source. A new
-// reference is created with the pin labels, so it never exists unpinned. On an existing one only
-// the target and the two pin keys are written; every other label stays, and a pin someone else
-// set is left theirs.
-func (im *Importer) putRef(ctx context.Context, img images.Image, source string) RefResult {
-	store := im.client.ImageService()
-	res := RefResult{Ref: img.Name, Digest: img.Target.Digest.String()}
-	img.Labels = pinning.PinLabels(source)
-	for attempt := 0; attempt < 3; attempt++ {
-		if _, err := store.Create(ctx, img); err == nil {
-			res.Result = pinning.Pinned
-			return res
-		} else if !errdefs.IsAlreadyExists(err) {
-			res.Err = fmt.Errorf("create %s: %w", img.Name, err)
-			return res
-		}
-		existing, err := store.Get(ctx, img.Name)
-		if errdefs.IsNotFound(err) {
-			continue // deleted in between: create again
-		}
-		if err != nil {
-			res.Err = fmt.Errorf("get %s: %w", img.Name, err)
-			return res
-		}
-		var fields []string
-		if existing.Target.Digest != img.Target.Digest {
-			fields = append(fields, "target")
-		}
-		switch _, ours := pinning.OwnPin(existing.Labels); {
-		case ours:
-			res.Result = pinning.AlreadyOurs
-		case pinning.IsPinned(existing.Labels):
-			res.Result = pinning.PinnedByOther
-		default:
-			res.Result = pinning.Pinned
-			fields = append(fields, "labels."+pinning.LabelPinned, "labels."+pinning.LabelSource)
-		}
-		if len(fields) == 0 {
-			return res
-		}
-		if _, err := store.Update(ctx, img, fields...); errdefs.IsNotFound(err) {
-			continue
-		} else if err != nil {
-			res.Err = fmt.Errorf("update %s: %w", img.Name, err)
-		}
-		return res
-	}
-	res.Err = fmt.Errorf("put %s: reference kept disappearing", img.Name)
-	return res
-}
-
 // criStatus is the CRI's status of ref. The CRI learns of images from containerd's events, so an
 // image a tarball created a moment ago may not be in its view yet: when containerd has ref, the
 // CRI is given a moment to catch up rather than asked to pull it (an air-gapped pull fails).
-func (im *Importer) criStatus(ctx context.Context, ref string) (*runtimeapi.ImageStatusResponse, error) {
-	_, inStore := im.client.ImageService().Get(ctx, ref)
+func (im *importer) criStatus(ctx context.Context, ref string) (*runtimeapi.ImageStatusResponse, error) {
+	_, inStore := im.cd.Images.Get(ctx, ref)
 	deadline := time.Now().Add(2 * time.Second)
 	for {
-		status, err := im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+		status, err := im.cd.CRI.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
 		if err != nil || status.GetImage() != nil || inStore != nil || time.Now().After(deadline) {
 			return status, err
 		}
@@ -365,27 +311,29 @@ func (im *Importer) criStatus(ctx context.Context, ref string) (*runtimeapi.Imag
 
 // pullList pulls through the CRI (so registry mirrors and credentials apply) each reference of a
 // .txt list that is not present, then pins it and the repo@digest reference the CRI created.
-func (im *Importer) pullList(ctx context.Context, idx *Index) ([]RefResult, bool, error) {
+func (im *importer) pullList(ctx context.Context, idx *airgap.Index) ([]RefResult, bool, error) {
+	if im.cd.CRI == nil {
+		return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: errors.New("no CRI image service to pull the list's entries through")}
+	}
 	var (
 		refs   []RefResult
 		pulled bool
 		errs   []error
-		pinner = pinning.NewPinner(im.client.ImageService())
 		source = idx.Archive.Name()
 	)
 	for _, want := range idx.Images {
 		status, err := im.criStatus(ctx, want.Ref)
 		if err == nil && status.GetImage() == nil {
-			if _, err = im.cri.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
+			if _, err = im.cd.CRI.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
 				pulled = true
-				status, err = im.cri.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+				status, err = im.cd.CRI.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
 			}
 		}
 		if err == nil && status.GetImage() == nil {
 			err = errors.New("not present after pull")
 		}
 		if err != nil {
-			err = &ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: fmt.Errorf("pull %s: %w", want.Ref, err)}
+			err = &airgap.ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: fmt.Errorf("pull %s: %w", want.Ref, err)}
 			refs = append(refs, RefResult{Ref: want.Ref, Err: err})
 			errs = append(errs, err)
 			continue
@@ -402,17 +350,40 @@ func (im *Importer) pullList(ctx context.Context, idx *Index) ([]RefResult, bool
 		}
 		for _, name := range names {
 			r := RefResult{Ref: name}
-			img, err := im.client.ImageService().Get(ctx, name)
+			img, err := im.cd.Images.Get(ctx, name)
 			if err == nil {
 				r.Digest = img.Target.Digest.String()
-				r.Result, err = pinner.Pin(ctx, name, source)
+				r.Result, err = im.pinner.PinImage(ctx, img, source)
 			}
 			if err != nil {
-				r.Err = &ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: err}
+				r.Err = &airgap.ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: err}
 				errs = append(errs, r.Err)
 			}
 			refs = append(refs, r)
 		}
 	}
 	return refs, pulled, errors.Join(errs...)
+}
+
+// digestRef is the repo@digest form of ref, as k3s names an imported image and the CRI lists it
+// among an image's RepoDigests; "" when ref is not a reference or d is unknown.
+func digestRef(ref string, d digest.Digest) string {
+	named, err := reference.ParseNormalizedNamed(ref)
+	if err != nil || d == "" {
+		return ""
+	}
+	c, err := reference.WithDigest(reference.TrimNamed(named), d)
+	if err != nil {
+		return ""
+	}
+	return c.String()
+}
+
+// normalize is ref as containerd names it (nginx:1 is docker.io/library/nginx:1), or ref.
+func normalize(ref string) string {
+	named, err := reference.ParseDockerRef(ref)
+	if err != nil {
+		return ref
+	}
+	return named.String()
 }

@@ -316,7 +316,7 @@ func truncate(t *testing.T, path string, fraction float64) {
 func TestAirgapExtraRegistryRetags(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/team/app:1.0"}})
-	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, ExtraRegistries: []string{"mirror.local:5000"}})
+	a := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, ExtraRegistries: []string{"mirror.local:5000"}})
 	if err := a.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -340,7 +340,7 @@ func TestSharedReferencePassesToTheNextArchive(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir})
+	a := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir})
 	sync := func() {
 		t.Helper()
 		if err := a.Sync(n.ctx).Err(); err != nil {
@@ -368,7 +368,7 @@ func TestSharedReferencePassesToTheNextArchive(t *testing.T) {
 func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar.zst", refs: []string{"acc.example/app:1.0"}})
-	a := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir})
+	a := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir})
 	if err := a.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}

@@ -93,13 +93,17 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	}()
 
 	ctx, cancel := context.WithCancel(n.ctx)
-	opts := &agentimages.K3sOptions{}
-	keeper, stopped, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
-		ExtraRegistries: []string{"mirror.local:5000"}}, opts)
+	keeper, done, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
+		ExtraRegistries: []string{"mirror.local:5000"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cancel(); <-stopped })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("the agent stopped with %v", err)
+		}
+	})
 
 	// Everything k3s's import creates, pinned, and recorded for its archive.
 	digest := n.target("acc.example/team/app:1.0")
@@ -187,21 +191,30 @@ func TestStartK3sOptions(t *testing.T) {
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
 	cfg := agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir, StateFile: filepath.Join(t.TempDir(), "state.json")}
 
-	if _, _, err := agentimages.StartK3s(n.ctx, cfg, &agentimages.K3sOptions{DisableImagePinning: true}); err == nil || !strings.Contains(err.Error(), "--disable-image-pinning") {
+	disabled := cfg
+	disabled.DisableImagePinning = true
+	if _, _, err := agentimages.StartK3s(n.ctx, disabled); err == nil || !strings.Contains(err.Error(), "--disable-image-pinning") {
 		t.Errorf("disabled: err %v, want one naming --disable-image-pinning", err)
 	}
-	bad := &agentimages.K3sOptions{}
-	bad.Policy.PinnedImages.Set("registry.local/[x")
-	if _, _, err := agentimages.StartK3s(n.ctx, cfg, bad); err == nil || !strings.Contains(err.Error(), "--pinned-images") {
+	bad := cfg
+	bad.PinnedImages = []string{"registry.local/[x"}
+	if _, _, err := agentimages.StartK3s(n.ctx, bad); err == nil || !strings.Contains(err.Error(), "--pinned-images") {
 		t.Errorf("malformed policy: err %v, want one naming --pinned-images", err)
 	}
 
 	ctx, cancel := context.WithCancel(n.ctx)
-	_, stopped, err := agentimages.StartK3s(ctx, cfg, &agentimages.K3sOptions{DisableImageRestore: true})
+	noRestore := cfg
+	noRestore.DisableImageRestore = true
+	_, done, err := agentimages.StartK3s(ctx, noRestore)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cancel(); <-stopped })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("the agent stopped with %v", err)
+		}
+	})
 	if present, pinned := n.criPinned("acc.example/app:1.0"); !present || !pinned {
 		t.Fatalf("app:1.0 present=%t pinned=%t", present, pinned)
 	}

@@ -98,12 +98,12 @@ func TestKeeperNeverDropsWhatAnArchiveProvided(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "airgap.tar", refs: []string{"acc.example/airgap:1.0"}})
 	stateFile := filepath.Join(t.TempDir(), "state.json")
-	agent := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
+	agent := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
 	if err := agent.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
 
-	restarted := images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
+	restarted := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
 	if kept, _ := keptTags(n, restarted.Keeper()); !slices.Equal(kept, []string{"acc.example/airgap:1.0"}) {
 		t.Errorf("restarted agent before its first sync keeps %v, want the recorded air-gap image", kept)
 	}

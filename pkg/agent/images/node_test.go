@@ -51,7 +51,7 @@ func newNodeWith(t *testing.T, opts containerdtest.Options) *node {
 }
 
 func (n *node) agent(policy *pinning.Policy) *images.Agent {
-	return images.NewAgent(n.client, images.Config{ImagesDir: n.imagesDir, Policy: policy})
+	return images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, Policy: policy})
 }
 
 // criPinned asks the CRI, as the kubelet does, whether ref exists and is pinned. The CRI's view

@@ -3,6 +3,8 @@ package images
 import (
 	"fmt"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
+
 	"github.com/opencontainers/go-digest"
 )
 
@@ -40,11 +42,11 @@ type owners struct {
 // provides it. indexes must be in file-name order; an archive that cannot be read now is passed
 // with its recorded index, so that a damaged file keeps the references it loaded. .txt lists own
 // nothing: they name no image, and are satisfied by whatever a tarball loaded under the name.
-func ownership(indexes []*Index) *owners {
+func ownership(indexes []*airgap.Index) *owners {
 	o := &owners{ref: map[string]string{}}
-	first := map[string]IndexedImage{}
+	first := map[string]airgap.IndexedImage{}
 	for _, idx := range indexes {
-		if idx.Format == ImageList {
+		if idx.Format == airgap.ImageList {
 			continue
 		}
 		for _, img := range idx.Images {
@@ -67,7 +69,7 @@ func ownership(indexes []*Index) *owners {
 // identity is how two archives' copies of a reference compare: by image ID (the config digest,
 // what the CRI and the kubelet call the image) when both know it, else by manifest digest. The
 // same image saved by `docker save` and as an OCI layout has different manifests but one ID.
-func identity(a, b IndexedImage) (digest.Digest, digest.Digest) {
+func identity(a, b airgap.IndexedImage) (digest.Digest, digest.Digest) {
 	if a.ImageID != "" && b.ImageID != "" {
 		return a.ImageID, b.ImageID
 	}
@@ -80,7 +82,7 @@ func identity(a, b IndexedImage) (digest.Digest, digest.Digest) {
 // loadable is idx without the references whose claim another tarball overrules: what archive idx
 // may load. A reference two tarballs provide with the same image stays in both: either can
 // restore it, and it passes to the other when one leaves.
-func (o *owners) loadable(idx *Index) *Index {
+func (o *owners) loadable(idx *airgap.Index) *airgap.Index {
 	lost := o.shadowed(idx.Archive.Name())
 	if len(lost) == 0 {
 		return idx
@@ -89,7 +91,7 @@ func (o *owners) loadable(idx *Index) *Index {
 	for _, c := range lost {
 		skip[c.Ref] = true
 	}
-	out := &Index{Archive: idx.Archive, Format: idx.Format}
+	out := &airgap.Index{Archive: idx.Archive, Format: idx.Format}
 	for _, img := range idx.Images {
 		if !skip[img.Ref] {
 			out.Images = append(out.Images, img)

@@ -17,7 +17,9 @@ import (
 	"github.com/containerd/typeurl/v2"
 	"github.com/fsnotify/fsnotify"
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sync/errgroup"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -59,7 +61,8 @@ type pendingRestore struct {
 // Run syncs, then keeps the node in the wanted state until ctx ends: it re-pins a wanted reference
 // whose pin is removed, restores a wanted reference that is deleted, follows archives added,
 // replaced and removed, and reconciles in full every ReconcileInterval and whenever containerd
-// comes back. The namespace is the one in ctx.
+// comes back. The namespace is the one in ctx. Run owns the goroutines it starts: when it
+// returns, they have ended and the state is saved.
 func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 	if opts.ReconcileInterval <= 0 {
 		opts.ReconcileInterval = DefaultReconcileInterval
@@ -76,51 +79,73 @@ func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 		default:
 		}
 	}
-	go a.watchEvents(ctx, ns, events, request)
-	go a.watchDir(ctx, request)
-
-	if !opts.Synced {
-		a.Sync(ctx)
+	g, ctx := errgroup.WithContext(ctx)
+	if a.cd.Events != nil {
+		g.Go(func() error { a.watchEvents(ctx, ns, events, request); return nil })
 	}
+	g.Go(func() error { a.watchDir(ctx, request); return nil })
+	g.Go(func() error { return a.follow(ctx, opts, events, resync) })
+	return g.Wait()
+}
+
+// follow is Run's loop: each event, sync and restore is handled whole, in turn with the exported
+// methods.
+func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, resync <-chan struct{}) error {
+	a.mu.Lock()
+	if !opts.Synced {
+		a.sync(ctx)
+	}
+	a.mu.Unlock()
 	pending := map[string]*pendingRestore{}
 	ticker := time.NewTicker(opts.ReconcileInterval)
 	defer ticker.Stop()
 	restoreTimer := time.NewTimer(time.Hour)
 	restoreTimer.Stop()
 	for {
+		var ev any
+		tick, restoreDue := false, false
 		select {
 		case <-ctx.Done():
+			a.mu.Lock()
 			a.saveState()
+			a.mu.Unlock()
 			return nil
 		case <-ticker.C:
-			a.Sync(ctx)
+			tick = true
 		case <-resync:
-			a.Sync(ctx)
-		case ev := <-events:
-			switch e := ev.(type) {
-			case *eventstypes.ImageCreate:
-				a.repin(ctx, e.Name, e.Labels)
-			case *eventstypes.ImageUpdate:
-				a.repin(ctx, e.Name, e.Labels)
-			case *eventstypes.ImageDelete:
-				if src := a.archiveOf(e.Name); opts.Restore && src != "" {
-					p := pending[src]
-					if p == nil {
-						p = &pendingRestore{refs: map[string]bool{}, backoff: retryMin}
-						pending[src] = p
-					}
-					p.refs[e.Name] = true
-					p.retryAt = time.Now().Add(restoreGather)
-					restoreTimer.Reset(restoreGather)
-				}
-			}
+			tick = true
+		case ev = <-events:
 		case <-restoreTimer.C:
-			next := a.restore(ctx, pending)
-			if next > 0 {
+			restoreDue = true
+		}
+		a.mu.Lock()
+		switch e := ev.(type) {
+		case *eventstypes.ImageCreate:
+			a.repin(ctx, e.Name, e.Labels)
+		case *eventstypes.ImageUpdate:
+			a.repin(ctx, e.Name, e.Labels)
+		case *eventstypes.ImageDelete:
+			if src := a.plan.Archive(e.Name); opts.Restore && src != "" {
+				p := pending[src]
+				if p == nil {
+					p = &pendingRestore{refs: map[string]bool{}, backoff: retryMin}
+					pending[src] = p
+				}
+				p.refs[e.Name] = true
+				p.retryAt = time.Now().Add(restoreGather)
+				restoreTimer.Reset(restoreGather)
+			}
+		}
+		if tick {
+			a.sync(ctx)
+		}
+		if restoreDue {
+			if next := a.restore(ctx, pending); next > 0 {
 				restoreTimer.Reset(next)
 			}
 		}
 		a.updateView(pending)
+		a.mu.Unlock()
 	}
 }
 
@@ -130,11 +155,8 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 	if pinning.IsPinned(labels) || isImageIDRecord(name) {
 		return
 	}
-	source := a.archiveOf(name)
-	if source == "" && a.cfg.Policy.Wants(images.Image{Name: name, Labels: labels}) {
-		source = pinning.SourcePolicy
-	}
-	if source == "" {
+	source, wanted := a.plan.Source(images.Image{Name: name, Labels: labels})
+	if !wanted {
 		return
 	}
 	res, err := a.pinner.Pin(ctx, name, source)
@@ -142,17 +164,9 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 	case err != nil:
 		logrus.Errorf("re-pin %s: %v", name, err)
 	case res == pinning.Pinned:
-		metrics.repins.Inc()
+		a.metrics.repins.Inc()
 		logrus.Infof("pinned %s again (%s wants it)", name, source)
 	}
-}
-
-// archiveOf names the archive that provided ref, or "".
-func (a *Agent) archiveOf(ref string) string {
-	if p := a.state.providers(ref); len(p) > 0 {
-		return p[0]
-	}
-	return ""
 }
 
 // restore re-loads every archive whose deadline has come and returns how long until the next
@@ -170,7 +184,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			continue
 		}
 		rec := a.state.Archives[name]
-		ar, err := archiveAt(filepath.Join(a.cfg.ImagesDir, name))
+		ar, err := airgap.At(filepath.Join(a.cfg.ImagesDir, name))
 		if rec == nil || err != nil {
 			delete(pending, name) // the archive left: nothing to restore from
 			continue
@@ -179,7 +193,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		start := time.Now()
 		rep := a.syncArchive(ctx, ar)
 		if err := restoreError(rep, p.refs); err != nil {
-			metrics.restores.WithLabelValues("failed").Inc()
+			a.metrics.restores.WithLabelValues("failed").Inc()
 			a.state.Agent.RestoresFailed++
 			p.retryAt, p.noSpace = time.Now().Add(p.backoff), isNoSpace(err)
 			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
@@ -196,7 +210,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 				logrus.Infof("%s now holds %s at %s (was %s): imported the update", name, ref, d, recorded[ref])
 			}
 		}
-		metrics.restores.WithLabelValues("ok").Inc()
+		a.metrics.restores.WithLabelValues("ok").Inc()
 		a.state.Agent.RestoresDone++
 		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, time.Since(start).Round(time.Millisecond))
 		delete(pending, name)
@@ -236,7 +250,10 @@ func (a *Agent) updateView(pending map[string]*pendingRestore) {
 	}
 }
 
-// isNoSpace reports a full disk, the state in which restores must wait rather than spin.
+// isNoSpace reports a full disk, the state in which restores must wait rather than spin. Only
+// here is an error told by its text: a full disk in containerd's root reaches a client as a gRPC
+// status with code Unknown (errdefs has no class for ENOSPC, and errgrpc keeps only the message);
+// in-process (containerd's metadata store in tests) it is syscall.ENOSPC.
 func isNoSpace(err error) bool {
 	return errors.Is(err, syscall.ENOSPC) || (err != nil && strings.Contains(err.Error(), "no space left"))
 }
@@ -250,15 +267,18 @@ func (a *Agent) watchEvents(ctx context.Context, ns string, out chan<- any, resy
 	first := true
 	for ctx.Err() == nil {
 		serveCtx, cancel := context.WithTimeout(ctx, time.Second)
-		serving, _ := a.client.IsServing(serveCtx)
+		serving, _ := a.cd.Events.IsServing(serveCtx)
 		cancel()
 		if !serving {
-			time.Sleep(wait)
+			select {
+			case <-ctx.Done():
+			case <-time.After(wait):
+			}
 			wait = min(2*wait, reconnectMax)
 			continue
 		}
 		subCtx, cancelSub := context.WithCancel(ctx)
-		evs, errs := a.client.Subscribe(subCtx, filter)
+		evs, errs := a.cd.Events.Subscribe(subCtx, filter)
 		if !first {
 			logrus.Info("containerd is back: events resumed, reconciling")
 			resync()

@@ -21,7 +21,7 @@ import (
 // runAgent runs the long-running agent on n until the test ends, and waits for its first sync.
 func (n *node) runAgent(stateFile string, wantPinned ...string) {
 	n.t.Helper()
-	a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
+	a := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
 	ctx, cancel := context.WithCancel(n.ctx)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx, agentimages.RunOptions{Restore: true, ReconcileInterval: time.Hour}) }()
@@ -196,7 +196,7 @@ func TestRestartWithUnchangedArchivesImportsNothing(t *testing.T) {
 	for _, c := range everyFormat()[:6] {
 		writeArchive(t, n.imagesDir, c)
 	}
-	first := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: state})
+	first := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: state})
 	if err := first.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -217,7 +217,7 @@ func TestRestartWithUnchangedArchivesImportsNothing(t *testing.T) {
 		if corrupt {
 			os.WriteFile(state, []byte("{not json"), 0o600)
 		}
-		report := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
+		report := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
 		if err := report.Err(); err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
@@ -289,7 +289,7 @@ func TestUnwritableStateKeepsProtectingFromMemory(t *testing.T) {
 	for name, dir := range map[string]string{"full": full, "read-only": readOnly} {
 		ref := "acc.example/" + name + ":1.0"
 		writeArchive(t, n.imagesDir, archiveCase{file: name + ".tar", refs: []string{ref}})
-		a := agentimages.NewAgent(n.client, agentimages.Config{ImagesDir: n.imagesDir, StateFile: filepath.Join(dir, "state.json")})
+		a := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: filepath.Join(dir, "state.json")})
 		if err := a.Sync(n.ctx).Err(); err != nil {
 			t.Fatal(err)
 		}

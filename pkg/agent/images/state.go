@@ -1,19 +1,16 @@
 package images
 
 import (
-	"crypto/sha256"
 	"encoding/json"
 	"fmt"
-	"io"
-	"maps"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"github.com/opencontainers/go-digest"
 
 	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 )
 
 // DefaultStateFile is outside the images dir: k3s must not try to load it as an archive.
@@ -32,11 +29,13 @@ type State struct {
 
 // ArchiveState is one archive as last loaded.
 type ArchiveState struct {
-	Size    int64          `json:"size"`
-	ModTime time.Time      `json:"modTime"`
-	Digest  digest.Digest  `json:"digest"` // sha256 of the file, computed only when size or mtime change
-	Format  Format         `json:"format"`
-	Images  []IndexedImage `json:"images"`
+	Size    int64     `json:"size"`
+	ModTime time.Time `json:"modTime"`
+	// Digest is the sha256 of the archive's content (its tar stream, or the list's text), computed
+	// only when size or mtime change.
+	Digest digest.Digest         `json:"digest"`
+	Format airgap.Format         `json:"format"`
+	Images []airgap.IndexedImage `json:"images"`
 	// Refs are every reference loaded from the archive (tags, repo@digest, retags) and the digest
 	// each pointed at: what a restore must bring back, and what is unpinned when the archive goes.
 	Refs map[string]digest.Digest `json:"refs"`
@@ -152,38 +151,13 @@ func lockDir(dir string) (unlock func(), err error) {
 	return func() { f.Close() }, nil
 }
 
-// providers are the archives whose last load provided ref, in name order: the first is the one a
-// new pin records (first wins, deterministic).
-func (s *State) providers(ref string) []string {
-	var out []string
-	for _, name := range slices.Sorted(maps.Keys(s.Archives)) {
-		if _, ok := s.Archives[name].Refs[ref]; ok {
-			out = append(out, name)
-		}
-	}
-	return out
-}
-
 // unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), so
 // that a restart does not read, hash or import it.
-func (as *ArchiveState) unchanged(ar Archive) bool {
+func (as *ArchiveState) unchanged(ar airgap.Archive) bool {
 	return as != nil && as.Size == ar.Size && as.ModTime.Equal(ar.ModTime)
 }
 
-// index is the recorded index of the archive, as ReadIndex would return it.
-func (as *ArchiveState) index(ar Archive) *Index {
-	return &Index{Archive: ar, Format: as.Format, Images: as.Images}
-}
-
-func fileDigest(path string) (digest.Digest, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", err
-	}
-	return digest.NewDigest(digest.SHA256, h), nil
+// index is the recorded index of the archive, as airgap.Read would return it.
+func (as *ArchiveState) index(ar airgap.Archive) *airgap.Index {
+	return &airgap.Index{Archive: ar, Format: as.Format, Images: as.Images}
 }

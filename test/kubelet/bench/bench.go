@@ -184,7 +184,7 @@ func (b *bench) large(ctx context.Context) error {
 		}
 		os.Remove(stateFile)
 		start = time.Now()
-		rep := images.NewAgent(c, images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx)
+		rep := images.NewAgent(images.Services(c), images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx)
 		took = time.Since(start)
 		if err := rep.Err(); err != nil {
 			stop()
@@ -205,7 +205,7 @@ func (b *bench) large(ctx context.Context) error {
 
 	// 2. Warm restart: a new agent on the state the cold start wrote; nothing changed.
 	start := time.Now()
-	rep := images.NewAgent(oursClient, images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx)
+	rep := images.NewAgent(images.Services(oursClient), images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx)
 	warm := time.Since(start)
 	if err := rep.Err(); err != nil {
 		return err
@@ -221,7 +221,7 @@ func (b *bench) large(ctx context.Context) error {
 	// 3. Restore: the running agent brings back an image removed through the CRI.
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	agent := images.NewAgent(oursClient, images.Config{ImagesDir: dir, StateFile: stateFile})
+	agent := images.NewAgent(images.Services(oursClient), images.Config{ImagesDir: dir, StateFile: stateFile})
 	done := make(chan error, 1)
 	go func() { done <- agent.Run(runCtx, images.RunOptions{Restore: true, ReconcileInterval: time.Hour}) }()
 	defer func() { cancel(); <-done }()
@@ -299,13 +299,13 @@ func (b *bench) small(ctx context.Context) error {
 	defer stop()
 	stateFile := filepath.Join(b.work, "small-state.json")
 	start := time.Now()
-	agent := images.NewAgent(c, images.Config{ImagesDir: dir, StateFile: stateFile})
+	agent := images.NewAgent(images.Services(c), images.Config{ImagesDir: dir, StateFile: stateFile})
 	if err := agent.Sync(ctx).Err(); err != nil {
 		return err
 	}
 	cold := time.Since(start)
 	start = time.Now()
-	if err := images.NewAgent(c, images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx).Err(); err != nil {
+	if err := images.NewAgent(images.Services(c), images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx).Err(); err != nil {
 		return err
 	}
 	warm := time.Since(start)

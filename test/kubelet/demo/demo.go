@@ -153,7 +153,7 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 		}
 	} else {
 		fmt.Fprintf(log, "== k3s-pinning agent: sync %s\n", imagesDir)
-		agent = images.NewAgent(client, images.Config{ImagesDir: imagesDir})
+		agent = images.NewAgent(images.Services(client), images.Config{ImagesDir: imagesDir})
 		report := agent.Sync(ctx)
 		for _, a := range report.Archives {
 			fmt.Fprintf(log, "   %-16s %-15s %d references, imported=%t\n", a.Archive.Name(), a.Format, len(a.Refs), a.Imported)

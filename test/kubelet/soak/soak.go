@@ -256,7 +256,7 @@ func (s *soak) cleanup() {
 func (s *soak) startAgent() {
 	ctx, cancel := context.WithCancel(s.ctx)
 	done := make(chan struct{})
-	agent := agentimages.NewAgent(s.client, agentimages.Config{ImagesDir: s.imagesDir, StateFile: s.state})
+	agent := agentimages.NewAgent(agentimages.Services(s.client), agentimages.Config{ImagesDir: s.imagesDir, StateFile: s.state})
 	go func() {
 		defer close(done)
 		agent.Run(ctx, agentimages.RunOptions{ReconcileInterval: s.opts.ReconcileInterval, Restore: true})

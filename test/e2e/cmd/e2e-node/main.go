@@ -47,7 +47,7 @@ func main() {
 		if err != nil {
 			fail("containerd: %v", err)
 		}
-		agent := images.NewAgent(client, images.Config{ImagesDir: *imagesDir, StateFile: *stateFile})
+		agent := images.NewAgent(images.Services(client), images.Config{ImagesDir: *imagesDir, StateFile: *stateFile})
 		nsCtx := namespaces.WithNamespace(ctx, pinning.DefaultNamespace)
 		// k3s loads the images dir before it starts the kubelet.
 		if err := agent.Sync(nsCtx).Err(); err != nil {

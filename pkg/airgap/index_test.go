@@ -1,24 +1,28 @@
-package images_test
+package airgap_test
 
 import (
+	"bytes"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/opencontainers/go-digest"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
 
-func archiveAt(t *testing.T, path string) images.Archive {
+func archiveAt(t *testing.T, path string) airgap.Archive {
 	t.Helper()
-	info, err := os.Stat(path)
+	a, err := airgap.At(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return images.Archive{Path: path, Size: info.Size(), ModTime: info.ModTime()}
+	return a
 }
 
 // TestReadIndexMatchesImages: the index names every tag with the image ID (config digest) the
@@ -45,7 +49,7 @@ func TestReadIndexMatchesImages(t *testing.T) {
 		if err := imagetest.WriteDocker(dockerPath, map[string]v1.Image{"app:1": img, "acc.example/app:2": img}); err != nil {
 			t.Fatal(err)
 		}
-		idx, err := images.ReadIndex(archiveAt(t, dockerPath))
+		idx, err := readIndex(archiveAt(t, dockerPath))
 		if err != nil {
 			t.Fatalf("%s: %v", ext, err)
 		}
@@ -53,7 +57,7 @@ func TestReadIndexMatchesImages(t *testing.T) {
 		for _, i := range idx.Images {
 			got[i.Ref] = i.ImageID.String()
 		}
-		if idx.Format != images.DockerArchive || len(got) != 2 || got["docker.io/library/app:1"] != id.String() || got["acc.example/app:2"] != id.String() {
+		if idx.Format != airgap.DockerArchive || len(got) != 2 || got["docker.io/library/app:1"] != id.String() || got["acc.example/app:2"] != id.String() {
 			t.Errorf("%s docker index = %v %v, want both tags with image ID %s", ext, idx.Format, got, id)
 		}
 
@@ -61,11 +65,11 @@ func TestReadIndexMatchesImages(t *testing.T) {
 		if err := imagetest.WriteOCI(ociPath, map[string]any{"acc.example/one:1": img, "acc.example/multi:1": multi}); err != nil {
 			t.Fatal(err)
 		}
-		idx, err = images.ReadIndex(archiveAt(t, ociPath))
+		idx, err = readIndex(archiveAt(t, ociPath))
 		if err != nil {
 			t.Fatalf("%s: %v", ext, err)
 		}
-		byRef := map[string]images.IndexedImage{}
+		byRef := map[string]airgap.IndexedImage{}
 		for _, i := range idx.Images {
 			byRef[i.Ref] = i
 		}
@@ -99,7 +103,7 @@ func TestReadIndexRejectsBadArchives(t *testing.T) {
 		write("corrupt.tar.gz", []byte("\x1f\x8b garbage")): "",
 		write("corrupt.tar.zst", []byte("not zstd at all")): "",
 	} {
-		_, err := images.ReadIndex(archiveAt(t, path))
+		_, err := readIndex(archiveAt(t, path))
 		if err == nil {
 			t.Errorf("%s: read without error", filepath.Base(path))
 			continue
@@ -116,7 +120,7 @@ func TestReadListNamesBadLines(t *testing.T) {
 	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	idx, err := images.ReadIndex(archiveAt(t, path))
+	idx, err := readIndex(archiveAt(t, path))
 	if err == nil || !strings.Contains(err.Error(), "pull.txt:5") || !strings.Contains(err.Error(), "pull.txt:6") {
 		t.Errorf("error %v does not name lines 5 and 6", err)
 	}
@@ -137,7 +141,7 @@ func TestScanSkipsHiddenAndNamesUnsupported(t *testing.T) {
 		}
 	}
 	os.Mkdir(filepath.Join(dir, "sub"), 0o755)
-	archives, errs := images.Scan(dir)
+	archives, errs := airgap.Scan(dir)
 	var names []string
 	for _, a := range archives {
 		names = append(names, a.Name())
@@ -148,4 +152,121 @@ func TestScanSkipsHiddenAndNamesUnsupported(t *testing.T) {
 	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "d.zip") || !strings.Contains(errs[1].Error(), "e.tar.xz") {
 		t.Errorf("errors = %v, want d.zip and e.tar.xz named", errs)
 	}
+}
+
+func readIndex(a airgap.Archive) (*airgap.Index, error) {
+	idx, _, err := airgap.ReadFile(a)
+	return idx, err
+}
+
+// TestReadHashesWhatItIndexes: one pass gives the index and the digest of the content. The same
+// content read through another opener (bytes in memory) gives the same index and digest; a
+// touched file (new mtime) keeps its digest; different content changes it.
+func TestReadHashesWhatItIndexes(t *testing.T) {
+	dir := t.TempDir()
+	img, err := imagetest.Image(4<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "app.tar")
+	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": img}); err != nil {
+		t.Fatal(err)
+	}
+	a := archiveAt(t, path)
+	idx, d, err := airgap.ReadFile(a)
+	if err != nil || d == "" {
+		t.Fatalf("ReadFile: %v, digest %q", err, d)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := digest.FromBytes(data); d != want {
+		t.Errorf("digest of an uncompressed tar %s, want the file's %s", d, want)
+	}
+	memIdx, memD, err := airgap.Read(a, func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
+	if err != nil || memD != d || len(memIdx.Images) != 1 || memIdx.Images[0] != idx.Images[0] {
+		t.Errorf("read from memory: %v %s %+v, want %s %+v", err, memD, memIdx, d, idx)
+	}
+	later := time.Now().Add(time.Hour)
+	if err := os.Chtimes(path, later, later); err != nil {
+		t.Fatal(err)
+	}
+	if _, touched, _ := airgap.ReadFile(archiveAt(t, path)); touched != d {
+		t.Errorf("touched: digest %s, want %s", touched, d)
+	}
+	other, err := imagetest.Image(4<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": other}); err != nil {
+		t.Fatal(err)
+	}
+	if _, replaced, _ := airgap.ReadFile(archiveAt(t, path)); replaced == d {
+		t.Error("replaced content kept the digest")
+	}
+}
+
+// FuzzRead: whatever content an archive of the images dir yields (a tar stream, or a list's
+// text), Read returns an index whose every image has a reference, or an error naming the file;
+// it never panics or hangs. The content is read from memory, through an Opener: no file per
+// input.
+func FuzzRead(f *testing.F) {
+	dir := f.TempDir()
+	img, err := imagetest.Image(1<<10, imagetest.Amd64)
+	if err != nil {
+		f.Fatal(err)
+	}
+	seeds := map[string]func(string) error{
+		"docker.tar": func(p string) error {
+			return imagetest.WriteDocker(p, map[string]v1.Image{"fuzz.example/app-a:1": img})
+		},
+		"oci.tar": func(p string) error { return imagetest.WriteOCI(p, map[string]any{"fuzz.example/app-b:1": img}) },
+	}
+	for name, write := range seeds {
+		path := filepath.Join(dir, name)
+		if err := write(path); err != nil {
+			f.Fatal(err)
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data, false)
+		f.Add(data[:len(data)/2], false)
+	}
+	f.Add([]byte("fuzz.example/app-d:1\n# comment\n\nnot a reference!!\n"), true)
+	f.Fuzz(func(t *testing.T, data []byte, list bool) {
+		a := airgap.Archive{Path: "/images/fuzz.tar", Size: int64(len(data))}
+		if list {
+			a.Path = "/images/fuzz.txt"
+		}
+		open := func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
+		type result struct {
+			idx *airgap.Index
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			idx, _, err := airgap.Read(a, open)
+			done <- result{idx, err}
+		}()
+		var r result
+		select {
+		case r = <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Read of %d bytes as %s did not return within 5 s", len(data), a.Path)
+		}
+		if r.err != nil {
+			if !strings.Contains(r.err.Error(), a.Path) {
+				t.Errorf("error does not name the file: %v", r.err)
+			}
+			return
+		}
+		for _, img := range r.idx.Images {
+			if img.Ref == "" {
+				t.Errorf("image without a reference in %+v", r.idx.Images)
+			}
+		}
+	})
 }

@@ -1,4 +1,4 @@
-package images_test
+package main
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // TestMetricsBarePortIsLoopbackOnly: `--metrics-address :PORT` serves on 127.0.0.1 and not on the
@@ -33,7 +33,7 @@ func TestMetricsBarePortIsLoopbackOnly(t *testing.T) {
 	l.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go images.ServeMetrics(ctx, ":"+port)
+	go serveMetrics(ctx, ":"+port, prometheus.NewRegistry())
 	client := &http.Client{Timeout: time.Second}
 	deadline := time.Now().Add(5 * time.Second)
 	for {

@@ -1,9 +1,10 @@
-package images
+package airgap
 
 import (
 	"archive/tar"
 	"bufio"
 	"bytes"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -53,18 +54,6 @@ type IndexedImage struct {
 	Line int
 }
 
-func digestRef(ref string, dgst digest.Digest) string {
-	named, err := reference.ParseNormalizedNamed(ref)
-	if err != nil || dgst == "" {
-		return ""
-	}
-	c, err := reference.WithDigest(reference.TrimNamed(named), dgst)
-	if err != nil {
-		return ""
-	}
-	return c.String()
-}
-
 const (
 	// maxMetadataEntry bounds one JSON entry (manifest, index, config) kept while indexing;
 	// larger entries are layers and are only counted.
@@ -93,22 +82,32 @@ const (
 	expansionSlack = 64 << 20
 )
 
-// expandedLimit is the most bytes archive a may yield once decompressed.
-func expandedLimit(a Archive) int64 { return MaxExpansion*a.Size + expansionSlack }
+// ExpandedLimit is the most bytes archive a may yield once decompressed.
+func ExpandedLimit(a Archive) int64 { return MaxExpansion*a.Size + expansionSlack }
 
-// openArchive opens the tarball a, decompressed as k3s does (its decoders, with the zstd decoder
-// memory bound k3s uses), yielding at most expandedLimit(a) bytes: past that, reads fail with an
-// error naming the bound.
-func openArchive(a Archive) (io.ReadCloser, error) {
-	open, err := tarfile.GetOpener(a.Path)
-	if err != nil {
-		return nil, err
+// Opener yields an archive's content, as go-containerregistry's tarball.Opener: for a tarball the
+// tar stream, decompressed; for a .txt list its text. It may be called more than once (to index,
+// then to import).
+type Opener func() (io.ReadCloser, error)
+
+// FileOpener opens the file a names, decompressed as k3s does (its decoders, with the zstd
+// decoder memory bound k3s uses), yielding at most ExpandedLimit(a) bytes: past that, reads fail
+// with an error naming the bound.
+func FileOpener(a Archive) Opener {
+	if a.IsList() {
+		return func() (io.ReadCloser, error) { return os.Open(a.Path) }
 	}
-	rc, err := open()
-	if err != nil {
-		return nil, err
+	return func() (io.ReadCloser, error) {
+		open, err := tarfile.GetOpener(a.Path)
+		if err != nil {
+			return nil, err
+		}
+		rc, err := open()
+		if err != nil {
+			return nil, err
+		}
+		return &boundedReader{ReadCloser: rc, left: ExpandedLimit(a), limit: ExpandedLimit(a)}, nil
 	}
-	return &boundedReader{ReadCloser: rc, left: expandedLimit(a), limit: expandedLimit(a)}, nil
 }
 
 // boundedReader fails once more than limit bytes were read.
@@ -134,34 +133,49 @@ func errTooExpanded(limit int64) error {
 		limit>>20, MaxExpansion, expansionSlack>>20)
 }
 
-// ReadIndex reads what archive a provides. A .txt list with some bad lines returns the good ones
-// with an error naming each bad line; any other error means the archive cannot be imported.
-func ReadIndex(a Archive) (*Index, error) {
-	if a.IsList() {
-		return readList(a)
-	}
-	rc, err := openArchive(a)
+// ReadFile is Read of the file a names.
+func ReadFile(a Archive) (*Index, digest.Digest, error) { return Read(a, FileOpener(a)) }
+
+// Read reads what archive a provides through open, and the sha256 of what open yields (the tar
+// stream, or the list's text), in one pass: the digest tells a touched archive (same content, new
+// mtime) from a replaced one. A .txt list with some bad lines returns the good ones with an error
+// naming each bad line; any other error means the archive cannot be imported. Every error names
+// a's path.
+func Read(a Archive, open Opener) (*Index, digest.Digest, error) {
+	rc, err := open()
 	if err != nil {
-		return nil, &ArchiveError{Path: a.Path, Err: err}
+		return nil, "", &ArchiveError{Path: a.Path, Err: err}
 	}
 	defer rc.Close()
-	idx, err := readTar(a, rc)
-	if errors.Is(err, zstd.ErrWindowSizeExceeded) {
-		err = fmt.Errorf("%w: its zstd window is larger than the %d MiB the decoder may use (k3s's bound); compress with a smaller window (zstd --long=25 or less)",
-			err, tarfile.MaxDecoderMemory>>20)
+	h := sha256.New()
+	r := io.TeeReader(rc, h)
+	var idx *Index
+	if a.IsList() {
+		idx, err = readList(a, r)
+	} else {
+		idx, err = readTar(a, r)
+		if errors.Is(err, zstd.ErrWindowSizeExceeded) {
+			err = fmt.Errorf("%w: its zstd window is larger than the %d MiB the decoder may use (k3s's bound); compress with a smaller window (zstd --long=25 or less)",
+				err, tarfile.MaxDecoderMemory>>20)
+		}
+		if err != nil {
+			return nil, "", &ArchiveError{Path: a.Path, Err: err}
+		}
 	}
-	if err != nil {
-		return nil, &ArchiveError{Path: a.Path, Err: err}
+	if idx == nil {
+		return nil, "", err
 	}
-	return idx, nil
+	// The tar reader stops at the end-of-archive marker: the padding after it is content too. A
+	// list is hashed as far as it is read (maxListBytes).
+	if !a.IsList() {
+		if _, err := io.Copy(io.Discard, r); err != nil {
+			return nil, "", &ArchiveError{Path: a.Path, Err: fmt.Errorf("reading to the end: %w", err)}
+		}
+	}
+	return idx, digest.NewDigest(digest.SHA256, h), err
 }
 
-func readList(a Archive) (*Index, error) {
-	f, err := os.Open(a.Path)
-	if err != nil {
-		return nil, &ArchiveError{Path: a.Path, Err: err}
-	}
-	defer f.Close()
+func readList(a Archive, text io.Reader) (*Index, error) {
 	idx := &Index{Archive: a, Format: ImageList}
 	var errs []error
 	bad := func(line int, err error) {
@@ -173,7 +187,7 @@ func readList(a Archive) (*Index, error) {
 		}
 	}
 	listed := map[string]bool{}
-	r := bufio.NewReaderSize(io.LimitReader(f, maxListBytes+1), maxListLine)
+	r := bufio.NewReaderSize(io.LimitReader(text, maxListBytes+1), maxListLine)
 	for line := 1; ; line++ {
 		text, long, err := readLine(r)
 		if err != nil && err != io.EOF {
@@ -204,7 +218,7 @@ func readList(a Archive) (*Index, error) {
 			break
 		}
 	}
-	if info, err := f.Stat(); err == nil && info.Size() > maxListBytes {
+	if a.Size > maxListBytes {
 		errs = append(errs, &ArchiveError{Path: a.Path, Err: fmt.Errorf("larger than %d MiB: only the beginning was read", maxListBytes>>20)})
 	}
 	return idx, errors.Join(errs...)
@@ -267,7 +281,7 @@ func escapes(name string) bool {
 func readTar(a Archive, r io.Reader) (*Index, error) {
 	tc := &tarContents{present: map[string]bool{}, json: map[string][]byte{}, symlinks: map[string]string{}, hardlinks: map[string]bool{}}
 	tr := tar.NewReader(r)
-	limit, total := expandedLimit(a), int64(0)
+	limit, total := ExpandedLimit(a), int64(0)
 	for {
 		hdr, err := tr.Next()
 		if err == io.EOF {

@@ -1,7 +1,7 @@
-// Package images is the agent side of k3s-pinning: the archives in the k3s images dir, their
-// index, their import into containerd with the pin set at creation, and the keep-decision that
-// the CRI pin and the kubelet GC filter both follow.
-package images
+// Package airgap reads the k3s air-gap images dir: which files k3s would load (Scan), and what
+// each provides (Read), without importing anything. It is pure: no containerd client, no logging;
+// every problem is an error naming the file (ArchiveError).
+package airgap
 
 import (
 	"errors"
@@ -14,9 +14,6 @@ import (
 
 	"github.com/rancher/wharfie/pkg/tarfile"
 )
-
-// DefaultImagesDir is where k3s loads air-gap images from.
-const DefaultImagesDir = "/var/lib/rancher/k3s/agent/images"
 
 // Archive is one file in the images dir that k3s would load: an image tarball or a .txt list.
 type Archive struct {
@@ -59,7 +56,7 @@ func Scan(dir string) ([]Archive, []error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, []error{&ArchiveError{Path: dir, Err: fmt.Errorf("%w: %w", errDirUnreadable, err)}}
+		return nil, []error{&ArchiveError{Path: dir, Err: fmt.Errorf("%w: %w", ErrDirUnreadable, err)}}
 	}
 	var (
 		archives []Archive
@@ -71,7 +68,7 @@ func Scan(dir string) ([]Archive, []error) {
 		if strings.HasPrefix(name, ".") {
 			continue
 		}
-		ar, err := archiveAt(path)
+		ar, err := At(path)
 		if errors.Is(err, errIsDir) {
 			continue
 		}
@@ -87,14 +84,15 @@ func Scan(dir string) ([]Archive, []error) {
 
 var (
 	errIsDir = errors.New("is a directory")
-	// errDirUnreadable is an images dir that exists but cannot be listed (permissions, I/O error).
-	errDirUnreadable = errors.New("images dir unreadable")
+	// ErrDirUnreadable is an images dir that exists but cannot be listed (permissions, I/O error):
+	// not an empty dir, so nothing left it.
+	ErrDirUnreadable = errors.New("images dir unreadable")
 )
 
-// archiveAt is the archive at path. Symlinks are followed wherever they point, as k3s does when it
+// At is the archive at path. Symlinks are followed wherever they point, as k3s does when it
 // opens them (archives are often links to read-only media); the link's name is the archive's
 // name. Only regular files are archives.
-func archiveAt(path string) (Archive, error) {
+func At(path string) (Archive, error) {
 	info, err := os.Stat(path)
 	if err != nil {
 		return Archive{}, &ArchiveError{Path: path, Err: err}

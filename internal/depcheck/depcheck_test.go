@@ -1,0 +1,17 @@
+package depcheck
+
+import "testing"
+
+// The packages meant to stay small: the archive reader reads files and bytes and talks to
+// nothing; pkg/pinning, the policy and the one pin writer, works on containerd's images.Store
+// interface, whoever implements it. Neither has a client, a CLI or metrics of its own, nor logs.
+func TestDependencies(t *testing.T) {
+	for _, pkg := range []string{
+		"github.com/k3s-pinning/k3s-pinning/pkg/airgap",
+		"github.com/k3s-pinning/k3s-pinning/pkg/pinning",
+	} {
+		Forbid(t, pkg,
+			[]string{"github.com/containerd/containerd/v2/client", "google.golang.org/grpc", "github.com/urfave/cli", "github.com/prometheus", "k8s.io"},
+			[]string{"github.com/sirupsen/logrus", "github.com/containerd/log"})
+	}
+}

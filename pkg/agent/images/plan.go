@@ -1,0 +1,212 @@
+package images
+
+import (
+	"maps"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/opencontainers/go-digest"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// Plan is the keep-decision, the one place it is made: which references must stay on the node
+// and what wants each. A reference is wanted when an archive of the images dir provides it (the
+// first by file name wins), when the policy names it, or when it was pinned by hand with
+// `k3s-pinning pin`. Sync, Inspect, re-pin, release, the adoption of k3s's pins and the kubelet's
+// Keeper all ask it. It is computed from plain values, without containerd: what the images dir
+// holds, what the state recorded, and the policy; an image containerd lists enters as the
+// question (Source).
+type Plan struct {
+	refs     map[string]string        // reference -> archive that provides it
+	digests  map[string]digest.Digest // reference -> what it points at, where known
+	archives map[string]bool          // archives in the images dir
+	policy   *pinning.Policy
+	owners   *owners // which archive loads each reference, and the claims it overrules
+}
+
+// planInput is what a plan is made of.
+type planInput struct {
+	// present are the archives in the images dir, by file name; when the dir cannot be read,
+	// every recorded archive (nothing left it).
+	present []string
+	// read are the indexes read from present archives this time; an archive missing here (it
+	// cannot be read now) claims what it recorded: a damaged file never drops protection.
+	read            map[string]*airgap.Index
+	recorded        map[string]*ArchiveState
+	policy          *pinning.Policy
+	extraRegistries []string
+}
+
+// newPlan decides, archive by archive in file-name order, what each provides: the names its
+// index gives each image (References) and what its last load recorded (digest references of
+// docker archives are known only after import). The first archive to provide a reference is its
+// source, the same rule by which ownership decides which archive loads it.
+func newPlan(in planInput) *Plan {
+	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, policy: in.policy}
+	names := slices.Sorted(slices.Values(in.present))
+	claims := map[string]*airgap.Index{}
+	var ordered []*airgap.Index
+	for _, name := range names {
+		p.archives[name] = true
+		idx := in.read[name]
+		if rec := in.recorded[name]; idx == nil && rec != nil {
+			idx = rec.index(airgap.Archive{Path: name}) // only its name is asked for
+		}
+		if idx != nil {
+			claims[name] = idx
+			ordered = append(ordered, idx)
+		}
+	}
+	p.owners = ownership(ordered)
+	for _, name := range names {
+		if idx := claims[name]; idx != nil {
+			// A claim another archive overrules is not this archive's to provide.
+			for _, img := range p.owners.loadable(idx).Images {
+				for _, r := range References(img.Ref, img.Digest, in.extraRegistries) {
+					p.provide(r, name, img.Digest)
+				}
+			}
+		}
+		if rec := in.recorded[name]; rec != nil {
+			for _, r := range slices.Sorted(maps.Keys(rec.Refs)) {
+				p.provide(r, name, rec.Refs[r])
+			}
+		}
+	}
+	return p
+}
+
+func (p *Plan) provide(ref, archive string, d digest.Digest) {
+	if _, taken := p.refs[ref]; !taken {
+		p.refs[ref] = archive
+	}
+	if _, known := p.digests[ref]; !known && d != "" && p.refs[ref] == archive {
+		p.digests[ref] = d
+	}
+}
+
+// Source says what wants img kept: the archive that provides its name; the source our pin on it
+// records, while that source still wants it (a manual pin, or an archive still in the dir: a
+// retag of a docker archive, whose digest is known only after import); or the policy.
+func (p *Plan) Source(img images.Image) (string, bool) {
+	if src, ok := p.refs[img.Name]; ok {
+		return src, true
+	}
+	if src, ours := pinning.OwnPin(img.Labels); ours && (src == pinning.SourceManual || p.archives[src]) {
+		return src, true
+	}
+	if p.policy.Wants(img) {
+		return pinning.SourcePolicy, true
+	}
+	return "", false
+}
+
+// Archive is the archive that provides ref, or "": where a deleted reference is restored from.
+func (p *Plan) Archive(ref string) string { return p.refs[ref] }
+
+// Heir is what wants img kept once source gives it up: Source without the pin source records.
+func (p *Plan) Heir(img images.Image, source string) string {
+	if src := p.refs[img.Name]; src != "" && src != source {
+		return src
+	}
+	if p.policy.Wants(img) {
+		return pinning.SourcePolicy
+	}
+	return ""
+}
+
+// Provided are the references the images dir provides, with the archive of each.
+func (p *Plan) Provided() map[string]string { return p.refs }
+
+// Conflicts are the references two archives provide with different images.
+func (p *Plan) Conflicts() []Conflict { return p.owners.conflicts }
+
+// Keeper is the keep-decision as the kubelet's image garbage collector asks it, image by image,
+// from its own goroutines: a frozen snapshot of the agent's plan as of its last reconcile,
+// replaced whole after each one, read without a lock.
+type Keeper struct {
+	set atomic.Pointer[keepSet]
+}
+
+// keepSet is a plan resolved against what containerd listed, in the forms the CRI lists an
+// image by.
+type keepSet struct {
+	plan  *Plan
+	names map[string]bool // references (repo:tag, repo@digest) as containerd names them
+	ids   map[string]bool // CRI image IDs (config digests) of wanted images present in containerd
+	// byName memoizes the plan's answer for names the kubelet asks about that are not in names
+	// (the policy's patterns): parsing a reference costs microseconds, and the kubelet asks about
+	// the same names every cycle. It starts empty with each set.
+	byName sync.Map // name -> bool
+}
+
+// Keep reports whether the image the CRI lists with image ID id, repoTags and repoDigests must
+// stay on the node: one of its names or its ID is wanted in the plan of the agent's last
+// reconcile. Label selectors (--pinned-image-labels) are answered from that reconcile's list: the
+// CRI does not list labels. Before any plan is published nothing is kept.
+func (k *Keeper) Keep(id string, repoTags, repoDigests []string) bool {
+	set := k.set.Load()
+	if set == nil {
+		return false
+	}
+	if set.ids[id] {
+		return true
+	}
+	for _, names := range [][]string{repoTags, repoDigests} {
+		for _, name := range names {
+			if set.names[name] {
+				return true
+			}
+		}
+	}
+	if set.plan.policy.Empty() {
+		return false
+	}
+	for _, names := range [][]string{repoTags, repoDigests} {
+		for _, name := range names {
+			wanted, known := set.byName.Load(name)
+			if !known {
+				_, wanted = set.plan.Source(images.Image{Name: name})
+				set.byName.Store(name, wanted)
+			}
+			if wanted.(bool) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// publish makes plan, resolved against the images containerd holds (listed; nil before the
+// first list), the answer of Keep.
+func (k *Keeper) publish(plan *Plan, listed []images.Image) {
+	set := &keepSet{plan: plan, names: map[string]bool{}, ids: map[string]bool{}}
+	for ref := range plan.refs {
+		set.names[ref] = true
+		set.names[digestRef(ref, plan.digests[ref])] = true
+	}
+	targets := map[digest.Digest]bool{}
+	for _, img := range listed {
+		if isImageIDRecord(img.Name) {
+			continue
+		}
+		if _, wanted := plan.Source(img); wanted {
+			set.names[img.Name] = true
+			set.names[digestRef(img.Name, img.Target.Digest)] = true
+			targets[img.Target.Digest] = true
+		}
+	}
+	// The CRI keeps a sha256:<image ID> record beside each image, on the same target: it is the
+	// image's ID, and the kubelet lists an image by it alone once every tag is gone.
+	for _, img := range listed {
+		if isImageIDRecord(img.Name) && targets[img.Target.Digest] {
+			set.ids[img.Name] = true
+		}
+	}
+	delete(set.names, "")
+	k.set.Store(set)
+}

@@ -1,0 +1,230 @@
+package images
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+func testDigest(s string) digest.Digest { return digest.FromString(s) }
+
+func index(name string, format airgap.Format, imgs ...airgap.IndexedImage) *airgap.Index {
+	return &airgap.Index{Archive: airgap.Archive{Path: "/images/" + name}, Format: format, Images: imgs}
+}
+
+func recorded(format airgap.Format, refs map[string]digest.Digest, imgs ...airgap.IndexedImage) *ArchiveState {
+	return &ArchiveState{Format: format, Refs: refs, Images: imgs}
+}
+
+func image(name string, labels map[string]string) images.Image {
+	return images.Image{Name: name, Labels: labels, Target: ocispec.Descriptor{Digest: testDigest(name)}}
+}
+
+// TestPlan is the keep-decision's rules, one row each, with no daemon: what wants each image
+// (its source), or that nothing does.
+func TestPlan(t *testing.T) {
+	appA := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config-a")}
+	appB := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config-b")}
+	oci := airgap.IndexedImage{Ref: "acc.example/oci:1", Digest: testDigest("oci-manifest"), ImageID: testDigest("oci-config")}
+	manifestA := testDigest("manifest-a")
+	type ask struct {
+		img    images.Image
+		source string // "" = not wanted
+	}
+	for _, c := range []struct {
+		name      string
+		in        planInput
+		patterns  []string
+		selectors []string
+		asks      []ask
+	}{
+		{name: "an archive provides its tags, and the digest reference its index knows",
+			in: planInput{present: []string{"oci.tar"}, read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}},
+			asks: []ask{
+				{image("acc.example/oci:1", nil), "oci.tar"},
+				{image("acc.example/oci@"+oci.Digest.String(), nil), "oci.tar"},
+				{image("acc.example/other:1", nil), ""},
+			}},
+		{name: "a docker archive's digest reference, known from its recorded load",
+			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
+				recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+			asks: []ask{{image("docker.io/library/app@"+manifestA.String(), nil), "a.tar"}}},
+		{name: "two archives provide a reference: the first by name is its source, whatever was loaded before",
+			in: planInput{present: []string{"b.tar", "a.tar"},
+				read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.DockerArchive, appB)},
+				// b.tar loaded app:1 before a.tar arrived
+				recorded: map[string]*ArchiveState{"b.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appB.Ref: testDigest("manifest-b")}, appB)}},
+			asks: []ask{{image(appA.Ref, nil), "a.tar"}}},
+		{name: "an archive that cannot be read now keeps what it recorded",
+			in: planInput{present: []string{"damaged.tar"},
+				recorded: map[string]*ArchiveState{"damaged.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+			asks: []ask{{image(appA.Ref, nil), "damaged.tar"}}},
+		{name: "an archive that left wants nothing, even with its record and our pin",
+			in:   planInput{recorded: map[string]*ArchiveState{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+			asks: []ask{{image(appA.Ref, pinning.PinLabels("gone.tar")), ""}}},
+		{name: "our pin: a retag of an archive still present, or a manual pin, stays wanted",
+			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
+			asks: []ask{
+				{image("acc.example/retag:1", pinning.PinLabels("a.tar")), "a.tar"},
+				{image("acc.example/hand:1", pinning.PinLabels(pinning.SourceManual)), pinning.SourceManual},
+				{image("acc.example/old:1", pinning.PinLabels(pinning.SourcePolicy)), ""},
+			}},
+		{name: "someone else's pin is not a reason of ours",
+			asks: []ask{{image("acc.example/theirs:1", map[string]string{pinning.LabelPinned: pinning.PinnedValue}), ""}}},
+		{name: "the policy: patterns and label selectors",
+			patterns: []string{"registry.local/*", "nginx"}, selectors: []string{"team=infra"},
+			asks: []ask{
+				{image("registry.local/tool:2", nil), pinning.SourcePolicy},
+				{image("docker.io/library/nginx:1.27", nil), pinning.SourcePolicy},
+				{image("acc.example/x:1", map[string]string{"team": "infra"}), pinning.SourcePolicy},
+				{image("acc.example/x:1", map[string]string{"team": "web"}), ""},
+			}},
+		{name: "an archive wins over the policy",
+			in:       planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
+			patterns: []string{"app"},
+			asks:     []ask{{image(appA.Ref, nil), "a.tar"}}},
+		{name: "--airgap-extra-registry names are provided too",
+			in: planInput{present: []string{"oci.tar"}, read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}, extraRegistries: []string{"mirror.local:5000"}},
+			asks: []ask{
+				{image("mirror.local:5000/oci:1", nil), "oci.tar"},
+				{image("mirror.local:5000/oci@"+oci.Digest.String(), nil), "oci.tar"},
+			}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			policy, err := pinning.NewPolicy(c.patterns, c.selectors)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.in.policy = policy
+			plan := newPlan(c.in)
+			for _, a := range c.asks {
+				source, wanted := plan.Source(a.img)
+				if source != a.source || wanted != (a.source != "") {
+					t.Errorf("Source(%s %v) = %q, %t; want %q", a.img.Name, a.img.Labels, source, wanted, a.source)
+				}
+			}
+		})
+	}
+}
+
+// TestPlanOwnershipAgreesWithSource: the archive that loads a contested reference is the one the
+// plan names as its source, the other's claim (and the digest reference it would have made) is
+// wanted by nothing, and it is reported as a conflict.
+func TestPlanOwnershipAgreesWithSource(t *testing.T) {
+	appA := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config-a")}
+	appB := airgap.IndexedImage{Ref: "docker.io/library/app:1", Digest: testDigest("manifest-b"), ImageID: testDigest("config-b")}
+	plan := newPlan(planInput{present: []string{"a.tar", "b.tar"},
+		read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.OCIArchive, appB)}})
+	if src, _ := plan.Source(image(appA.Ref, nil)); src != "a.tar" {
+		t.Errorf("source %q, want a.tar", src)
+	}
+	if src, wanted := plan.Source(image("docker.io/library/app@"+appB.Digest.String(), nil)); wanted {
+		t.Errorf("b.tar's overruled digest reference wanted by %q", src)
+	}
+	if got := plan.owners.loadable(index("b.tar", airgap.OCIArchive, appB)); len(got.Images) != 0 {
+		t.Errorf("b.tar may load %v, want nothing (a.tar provides app:1)", got.Images)
+	}
+	if cs := plan.Conflicts(); len(cs) != 1 || cs[0].Owner != "a.tar" || cs[0].Shadowed != "b.tar" {
+		t.Errorf("conflicts %v, want app:1 owned by a.tar over b.tar", cs)
+	}
+}
+
+// TestPlanHeir: a pin a source gives up passes to what else wants the image.
+func TestPlanHeir(t *testing.T) {
+	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
+	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
+	plan := newPlan(planInput{present: []string{"b.tar"}, read: map[string]*airgap.Index{"b.tar": index("b.tar", airgap.DockerArchive, app)}, policy: policy})
+	for _, c := range []struct {
+		img        images.Image
+		from, heir string
+	}{
+		{image(app.Ref, pinning.PinLabels("a.tar")), "a.tar", "b.tar"},
+		{image("registry.local/tool:1", pinning.PinLabels("a.tar")), "a.tar", pinning.SourcePolicy},
+		{image("acc.example/only-a:1", pinning.PinLabels("a.tar")), "a.tar", ""},
+		{image("acc.example/hand:1", pinning.PinLabels(pinning.SourceManual)), pinning.SourceManual, ""},
+	} {
+		if got := plan.Heir(c.img, c.from); got != c.heir {
+			t.Errorf("Heir(%s, %s) = %q, want %q", c.img.Name, c.from, got, c.heir)
+		}
+	}
+}
+
+// TestKeeperIsThePlan: the kubelet's filter keeps what the plan wants, by every name the CRI
+// lists an image under (tag, repo@digest, the sha256 image ID record), and nothing else; a zero
+// Keeper keeps nothing rather than panicking.
+func TestKeeperIsThePlan(t *testing.T) {
+	if (&Keeper{}).Keep("sha256:x", []string{"a:1"}, nil) {
+		t.Error("a zero Keeper keeps an image")
+	}
+	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
+	manifest := testDigest("manifest")
+	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
+	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
+		recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+	retag := image("acc.example/retag:1", pinning.PinLabels("a.tar"))
+	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: retag.Target}
+	k := &Keeper{}
+	k.publish(plan, []images.Image{retag, idRecord, image("acc.example/other:1", nil)})
+	for _, c := range []struct {
+		id          string
+		tags, dgsts []string
+		keep        bool
+	}{
+		{"sha256:1", []string{app.Ref}, nil, true},
+		{"sha256:2", nil, []string{"docker.io/library/app@" + manifest.String()}, true},
+		{"sha256:3", []string{"acc.example/retag:1"}, nil, true},
+		{idRecord.Name, nil, nil, true},
+		{"sha256:4", []string{"registry.local/tool:9"}, nil, true},
+		{"sha256:5", []string{"acc.example/other:1"}, nil, false},
+	} {
+		if got := k.Keep(c.id, c.tags, c.dgsts); got != c.keep {
+			t.Errorf("Keep(%s, %v, %v) = %t, want %t", c.id, c.tags, c.dgsts, got, c.keep)
+		}
+	}
+}
+
+// BenchmarkKeep is one kubelet GC pass's worth of questions: 5,000 images, 1,000 of them wanted,
+// with the CRI's three names each, and a --pinned-images glob to try on the others.
+func BenchmarkKeep(b *testing.B) {
+	policy, err := pinning.NewPolicy([]string{"registry.local/pinned/*"}, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	type criImage struct {
+		id          string
+		tags, dgsts []string
+	}
+	var listed []criImage
+	var wanted []airgap.IndexedImage
+	for i := range 5000 {
+		img := criImage{
+			id:    fmt.Sprintf("sha256:%064x", i),
+			tags:  []string{fmt.Sprintf("registry.local/app%d:1.0", i)},
+			dgsts: []string{fmt.Sprintf("registry.local/app%d@sha256:%064x", i, i+1<<20)},
+		}
+		if i%5 == 0 {
+			wanted = append(wanted, airgap.IndexedImage{Ref: img.tags[0]})
+		}
+		listed = append(listed, img)
+	}
+	k := &Keeper{}
+	k.publish(newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, wanted...)}, policy: policy}), nil)
+	b.ResetTimer()
+	for b.Loop() {
+		kept := 0
+		for _, img := range listed {
+			if k.Keep(img.id, img.tags, img.dgsts) {
+				kept++
+			}
+		}
+		if kept != 1000 {
+			b.Fatalf("kept %d of 5000, want 1000", kept)
+		}
+	}
+}
