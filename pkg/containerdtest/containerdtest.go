@@ -20,6 +20,8 @@ import (
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/images"
+	"google.golang.org/grpc"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -260,6 +262,9 @@ func (d *Daemon) start(ctx context.Context) error {
 	return fmt.Errorf("containerd did not answer within 30s; log %s:\n%s", d.Log, tail(d.Log))
 }
 
+// serving reports whether containerd answers, and its CRI plugin too: the CRI initializes after
+// the daemon serves, and answers "server is not initialized yet" meanwhile, which a test (or the
+// soak's next fault, right after a restart) would take for a failure.
 func (d *Daemon) serving(ctx context.Context) bool {
 	if _, err := os.Stat(d.Address); err != nil {
 		return false
@@ -269,8 +274,15 @@ func (d *Daemon) serving(ctx context.Context) bool {
 		return false
 	}
 	defer c.Close()
-	ok, err := c.IsServing(ctx)
-	return err == nil && ok
+	if ok, err := c.IsServing(ctx); err != nil || !ok {
+		return false
+	}
+	conn, ok := c.Conn().(*grpc.ClientConn)
+	if !ok {
+		return false
+	}
+	_, err = runtimeapi.NewImageServiceClient(conn).ImageFsInfo(ctx, &runtimeapi.ImageFsInfoRequest{})
+	return err == nil
 }
 
 // Client returns a new client for the daemon; the caller closes it.
