@@ -107,8 +107,8 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 	}
 	// Before the first reconcile, every archive recorded is taken as present, so that a kubelet
 	// starting beside the agent never sees a gap.
-	a.present = slices.Collect(maps.Keys(a.state.Archives))
-	a.plan = a.newPlan(a.present, nil)
+	a.present, a.read = slices.Collect(maps.Keys(a.state.Archives)), map[string]*airgap.Index{}
+	a.plan = a.newPlan(a.present, a.read)
 	a.keeper.publish(a.plan, nil)
 	return a
 }
