@@ -214,6 +214,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		a.state.Agent.RestoresDone++
 		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, time.Since(start).Round(time.Millisecond))
 		delete(pending, name)
+		a.updateView(pending) // what status and doctor read: this one is no longer pending
 		a.saveState()
 	}
 	return next

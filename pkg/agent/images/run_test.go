@@ -108,8 +108,14 @@ func TestRunRestoresDeletedImageWithSameDigest(t *testing.T) {
 	n := newNode(t)
 	ref := "acc.example/app:1.0"
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar.gz", refs: []string{ref}})
-	n.runAgent("", ref)
+	stateFile := filepath.Join(t.TempDir(), "state.json")
+	n.runAgent(stateFile, ref)
 	want := n.target(ref)
+	// The CRI learns of images from containerd's events: a RemoveImage before it has seen this one
+	// would delete nothing (and the restore below would pass vacuously).
+	if present, _ := n.criPinned(ref); !present {
+		t.Fatalf("the CRI does not list %s", ref)
+	}
 
 	// The CRI RemoveImage call, as crictl rmi and the kubelet make it: every reference goes.
 	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: ref}}); err != nil {
@@ -122,6 +128,19 @@ func TestRunRestoresDeletedImageWithSameDigest(t *testing.T) {
 	}
 	if present, pinned := n.criPinned(ref); !present || !pinned {
 		t.Errorf("after restore: CRI present=%t pinned=%t", present, pinned)
+	}
+	// What status and doctor read, in other processes: the restore done, nothing left pending.
+	var view agentimages.AgentView
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		st, err := agentimages.LoadState(stateFile)
+		if view = st.Agent; err == nil && view.RestoresDone >= 1 && len(view.RestoresPending) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the state file after the restore: %+v (%v), want a restore done and none pending", view, err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 
 	// The same with `ctr images rm`, which deletes one reference.
