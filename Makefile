@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet patches-check k3s-patches-check k3s k3s-e2e e2e bench fuzz soak
+.PHONY: demo test unit build vet release patches-check k3s-patches-check k3s k3s-e2e e2e bench fuzz soak
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -64,6 +64,12 @@ fuzz:
 ## agent on containerd's own metadata store)
 unit:
 	$(GO) test -count=1 -run 'Policy|Misspelled|Read|Scan|Plan|KeeperIsThePlan|OnContainerdsStore|Dependencies|K3sFlags|LockExcludes' ./pkg/... ./internal/...
+
+## release: into dist/ (not committed): static binaries (linux amd64, arm64, arm v7) with their
+## version, .deb and .rpm (nfpm), the image archive for agent/images, the DaemonSet manifest,
+## the offline install.sh, sha256sum.txt. VERSION=... (default: git describe)
+release:
+	bash scripts/release.sh
 
 ## build: install the k3s-pinning command into GOBIN
 build:

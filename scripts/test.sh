@@ -72,6 +72,9 @@ grep -E 'soak seed|SKIPPED|soak_test.go:[0-9]+:   [a-z-]+ +[0-9]+$|invariant vio
 echo "== fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh
 
+echo "== make release, its artifacts checked from outside (binaries, .deb installed and purged, .rpm, install.sh)"
+bash scripts/release-check.sh
+
 echo "== make e2e (a real kubelet under real disk pressure)"
 bash scripts/e2e.sh
 

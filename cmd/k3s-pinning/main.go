@@ -29,6 +29,9 @@ import (
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
+// version is set at build time (make release: -X main.version=...), as k3s sets its own.
+var version = "dev"
+
 // Exit codes: 0 all good, 1 something needs attention (sync failed on an archive, doctor found a
 // problem, unpin refused), 2 bad usage or containerd unreachable.
 const (
@@ -72,8 +75,9 @@ func main() {
 func newApp(stdout io.Writer) *cli.App {
 	o := &options{}
 	return &cli.App{
-		Name:  "k3s-pinning",
-		Usage: "keep k3s air-gap images pinned so the kubelet never deletes them",
+		Name:    "k3s-pinning",
+		Version: version,
+		Usage:   "keep k3s air-gap images pinned so the kubelet never deletes them",
 		OnUsageError: func(c *cli.Context, err error, _ bool) error {
 			return cli.Exit(err.Error(), exitUsage)
 		},

@@ -23,13 +23,14 @@ type report struct {
 	reclaimSeconds float64 // from the start of the pressure to the unwanted image gone; 0: no pressure
 	restoreSeconds float64 // from crictl rmi to the image back; 0: no restore
 	podState       string
+	extra          []string // images the table shows beside the air-gap set and the unwanted one
 }
 
 func (r *report) print() {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n---- e2e %s\n", r.name)
 	fmt.Fprintf(&b, "%-40s %-8s %-8s\n", "IMAGE", "BEFORE", "AFTER")
-	for _, ref := range append(slices.Clone(airgapRefs), unwantedRef) {
+	for _, ref := range append(append(slices.Clone(airgapRefs), r.extra...), unwantedRef) {
 		fmt.Fprintf(&b, "%-40s %-8s %-8s\n", ref, presence(r.before[ref]), presence(r.after[ref]))
 	}
 	if r.reclaimSeconds > 0 {
@@ -63,7 +64,7 @@ func evictAndReclaim(n *node, r *report) {
 	n.await(2*time.Minute, "the kubelet reclaiming images under disk pressure", func() bool { return !n.present(unwantedRef)[unwantedRef] })
 	r.reclaimSeconds = time.Since(start).Seconds()
 	time.Sleep(2 * time.Second) // one reclaim deletes every unused image: let it finish
-	r.after = n.present(append(slices.Clone(airgapRefs), unwantedRef)...)
+	r.after = n.present(append(append(slices.Clone(airgapRefs), r.extra...), unwantedRef)...)
 	if err := os.Remove(pressure); err != nil {
 		n.t.Fatal(err)
 	}
@@ -77,7 +78,7 @@ func removePod(n *node, r *report) {
 	n.await(2*time.Minute, "the static pod Running", func() bool { return n.podState() == "Running" })
 	n.removeManifest()
 	n.await(time.Minute, "the static pod's container removed", func() bool { return n.podState() == "absent" && n.appContainers() == 0 })
-	r.before = n.present(append(slices.Clone(airgapRefs), unwantedRef)...)
+	r.before = n.present(append(append(slices.Clone(airgapRefs), r.extra...), unwantedRef)...)
 }
 
 // podComesBack waits for the static pod, whose manifest is back, to run again, and records it.

@@ -57,6 +57,10 @@ type nodeOptions struct {
 	agent    string // e2e-node --agent: run, sync or off
 	filter   bool   // e2e-node --gc-filter
 	imported bool   // the images dir's archives are imported by hand with ctr, unpinned (control)
+	// agentPod delivers k3s-pinning as make release does: its image archive in the images dir,
+	// imported by `k3s-pinning sync` before the kubelet starts (as k3s imports agent/images), and
+	// the DaemonSet's pod template run by the kubelet as a static pod.
+	agentPod bool
 }
 
 func newNode(t *testing.T, opts nodeOptions) *node {
@@ -95,6 +99,9 @@ func newNode(t *testing.T, opts nodeOptions) *node {
 		for _, f := range []string{"airgap-images.tar", "tools.tar.zst"} {
 			n.ctrImport(filepath.Join(n.imagesDir, f))
 		}
+	}
+	if opts.agentPod {
+		n.deployAgentPod()
 	}
 	n.writeManifest()
 	n.startKubelet(nodeBin, opts)
@@ -244,7 +251,10 @@ func (n *node) cleanup() {
 
 // podState is the static pod's container state as the kubelet reports it on /pods: "Running",
 // the reason it waits (ErrImageNeverPull), "Terminated", or "absent".
-func (n *node) podState() string {
+func (n *node) podState() string { return n.podStateOf(podName) }
+
+// podStateOf is podState of the static pod whose manifest names it name.
+func (n *node) podStateOf(name string) string {
 	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/pods", n.port))
 	if err != nil {
 		return "kubelet not answering"
@@ -255,7 +265,7 @@ func (n *node) podState() string {
 		return "bad /pods: " + err.Error()
 	}
 	for _, pod := range pods.Items {
-		if pod.Name != podName+"-"+nodeName {
+		if pod.Name != name+"-"+nodeName {
 			continue
 		}
 		for _, c := range pod.Status.ContainerStatuses {
