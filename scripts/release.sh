@@ -12,8 +12,10 @@ image=docker.io/k3s-pinning/k3s-pinning:$version
 rm -rf dist
 mkdir -p dist
 gobin=$(go env GOPATH)/bin
-[ -x "$gobin/nfpm" ] && "$gobin/nfpm" --version 2>/dev/null | grep -q "${nfpm_version#v}" ||
-  GOFLAGS=-mod=mod go install "github.com/goreleaser/nfpm/v2/cmd/nfpm@$nfpm_version"
+# nfpm built from its module at this version (a go-installed nfpm reports no version of its own;
+# its build information does).
+[ -x "$gobin/nfpm" ] && go version -m "$gobin/nfpm" | grep -q "mod.*github.com/goreleaser/nfpm/v2.*$nfpm_version" ||
+  go install "github.com/goreleaser/nfpm/v2/cmd/nfpm@$nfpm_version"
 
 # Packages want a version that starts with a digit, without "-" (rpm): a git describe without a
 # tag becomes 0.0.0~<commit>.
