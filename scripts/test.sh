@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make test: vet, the cross-build check, every test of the modules, make e2e, make k3s-e2e (a real
-# k3s built with k3s-pinning, from ../shared/k3s-src), then make patches-check for the kubernetes
-# lines nothing else here compiles. Tests that need root
+# make test: vet, the cross-build check, every test of the modules, the short soak, the fuzz
+# targets, make release with its artifacts checked, make e2e, make k3s-e2e (a real k3s built with
+# k3s-pinning, from ../shared/k3s-src). Tests that need root
 # (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
 # Whatever fails, the end checks that no test left a containerd or a mount behind.
 set -euo pipefail
@@ -85,7 +85,5 @@ echo "== make k3s-e2e (k3s built from ../shared/k3s-src with k3s-pinning, a real
 bash scripts/k3s-e2e.sh
 
 # patches/kubernetes is compiled and run on kubernetes 1.34 inside the k3s above, and on 1.37 by
-# test/kubelet and make e2e; here one more line, to keep a cold .ci/run within CI's time with the
-# k3s build in it. make patches-check checks all four (1.34-1.37).
-echo "== make patches-check, line 1.36"
-KUBERNETES_LINES="1.36" bash scripts/patches-check.sh
+# test/kubelet and make e2e; make patches-check checks all four lines (1.34-1.37) and is not in
+# make test, to keep a cold .ci/run within CI's time with the k3s build and make release in it.

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/distribution/reference"
 	"github.com/dsnet/compress/bzip2"
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -94,8 +95,13 @@ func WriteOCI(path string, entries map[string]any) error {
 		if err != nil {
 			return err
 		}
+		// containerd's name: docker.io/..., where go-containerregistry says index.docker.io/...
+		full, err := reference.ParseDockerRef(ref)
+		if err != nil {
+			return err
+		}
 		ann := layout.WithAnnotations(map[string]string{
-			"io.containerd.image.name":          t.Name(),
+			"io.containerd.image.name":          full.String(),
 			"org.opencontainers.image.ref.name": t.TagStr(),
 		})
 		switch v := e.(type) {
