@@ -32,7 +32,7 @@ for arch in amd64 arm64 arm; do
   GOOS=linux GOARCH=$arch GOARM=7 CGO_ENABLED=0 \
     go build -trimpath -ldflags "-s -w -X main.version=$version" -o "$bin" ./cmd/k3s-pinning
   images+=("${platform[$arch]}=$bin")
-  # nfpm expands the environment in arch and version only: the paths are written in.
+  # nfpm expands the environment in a few fields only: the values are written into a copy.
   sed -e "s#\${ARCH}#${nfpm_arch[$arch]}#" -e "s#\${VERSION}#$pkg_version#" -e "s#\${BINARY}#$bin#" \
     -e "s#\${UNIT}#dist/.k3s-pinning.service.usr-bin#" deploy/nfpm.yaml > dist/.nfpm.yaml
   for packager in deb rpm; do

@@ -91,19 +91,14 @@ func image(path string, p v1.Platform, version string) (v1.Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return nil, err
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture, cf.Variant = p.OS, p.Architecture, p.Variant
-	cf.Created = v1.Time{Time: epoch}
-	cf.Config.Entrypoint = []string{"/k3s-pinning"}
-	cf.Config.Cmd = []string{"run"}
-	cf.Config.Labels = map[string]string{
-		"org.opencontainers.image.title":   "k3s-pinning",
-		"org.opencontainers.image.version": version,
-		"org.opencontainers.image.source":  "https://github.com/k3s-pinning/k3s-pinning",
-	}
-	return mutate.ConfigFile(img, cf)
+	return imagetest.Configure(img, p, func(cf *v1.ConfigFile) {
+		cf.Created = v1.Time{Time: epoch}
+		cf.Config.Entrypoint = []string{"/k3s-pinning"}
+		cf.Config.Cmd = []string{"run"}
+		cf.Config.Labels = map[string]string{
+			"org.opencontainers.image.title":   "k3s-pinning",
+			"org.opencontainers.image.version": version,
+			"org.opencontainers.image.source":  "https://github.com/k3s-pinning/k3s-pinning",
+		}
+	})
 }

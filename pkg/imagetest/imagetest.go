@@ -37,13 +37,19 @@ func Image(size int64, platform v1.Platform) (v1.Image, error) {
 	if err != nil {
 		return nil, err
 	}
+	return Configure(img, platform, func(cf *v1.ConfigFile) { cf.Config.Cmd = []string{"/bin/true"} })
+}
+
+// Configure is img for platform (containerd's importer filters out images without one), with
+// edit applied to a copy of its config.
+func Configure(img v1.Image, platform v1.Platform, edit func(*v1.ConfigFile)) (v1.Image, error) {
 	cf, err := img.ConfigFile()
 	if err != nil {
 		return nil, err
 	}
 	cf = cf.DeepCopy()
 	cf.OS, cf.Architecture, cf.Variant = platform.OS, platform.Architecture, platform.Variant
-	cf.Config.Cmd = []string{"/bin/true"}
+	edit(cf)
 	return mutate.ConfigFile(img, cf)
 }
 

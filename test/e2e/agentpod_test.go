@@ -2,6 +2,8 @@ package e2e_test
 
 import (
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -77,6 +79,7 @@ func (n *node) deployAgentPod() {
 	spec := ds.Spec.Template.Spec.DeepCopy()
 	spec.HostNetwork = true
 	port := freePort(n.t)
+	n.agentMetrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	hostPaths := map[string]string{"containerd": n.daemon.Dir, "images": n.imagesDir, "state": stateDir}
 	for i, v := range spec.Volumes {
 		path, ok := hostPaths[v.Name]
@@ -124,6 +127,16 @@ func TestAgentAsPodKeepsAirgapImages(t *testing.T) {
 			t.Errorf("%s not pinned after k3s-pinning sync", ref)
 		}
 	}
+	// What its liveness probe asks (the probe's first call comes after 30 s): the pod's metrics.
+	n.await(30*time.Second, "the k3s-pinning pod serving "+n.agentMetrics, func() bool {
+		resp, err := http.Get(n.agentMetrics)
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode == http.StatusOK && strings.Contains(string(body), "k3s_pinning_wanted_references")
+	})
 	// The pod, not the sync before it, keeps them: every pin stripped comes back.
 	n.stripPins()
 	n.await(30*time.Second, "the k3s-pinning pod pinning every air-gap image again", func() bool {

@@ -50,6 +50,8 @@ type node struct {
 	daemon    *containerdtest.Daemon
 	port      int // the kubelet's read-only port, for /pods
 	kubelet   *exec.Cmd
+	// agentMetrics is the k3s-pinning pod's /metrics (agentPod), what its liveness probe asks.
+	agentMetrics string
 }
 
 // nodeOptions choose how the node loads its images and what protects them.
