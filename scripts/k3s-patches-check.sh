@@ -17,7 +17,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 k3s_src=${K3S_SRC_DIR:-$repo/../shared/k3s-src}
 
 # The k3s trees here, unpacked once, as git repositories, keyed by the commit their README row names.
-declare -A trees
+declare -A trees=()
 for archive in "$k3s_src"/k3s-release-*.tar.gz; do
   [ -f "$archive" ] || continue
   name=$(basename "$archive" .tar.gz)

@@ -69,6 +69,19 @@ fi
 grep -E 'soak seed|SKIPPED|soak_test.go:[0-9]+:   [a-z-]+ +[0-9]+$|invariant violations' <<<"$soak" | sed 's/^ *soak_test.go:[0-9]*: //'
 
 
+# The containerd lines k3s ships besides the newest: each daemon built once from its module
+# (build/containerd-<line>) into the user cache, then the agent's real-containerd tests and the
+# short soak against it.
+for line in $(sed -n 's/^var Matrix = \[\]string{\(.*\)}$/\1/p' pkg/containerdtest/containerdtest.go | tr -d '",'); do
+  echo "== containerd $line (the matrix): the agent's tests and the short soak"
+  K3S_PINNING_CONTAINERD=$line go test -count=1 -timeout 20m ./pkg/agent/images
+  if ! soak=$(cd test/kubelet && K3S_PINNING_CONTAINERD=$line GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -v -run TestSoakShort ./soak 2>&1); then
+    echo "$soak"
+    exit 1
+  fi
+  grep -E 'soak seed|SKIPPED|invariant violations' <<<"$soak" | sed 's/^ *soak_test.go:[0-9]*: //'
+done
+
 echo "== fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh
 

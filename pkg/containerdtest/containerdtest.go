@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -36,20 +37,62 @@ type Binaries struct {
 const modulePath = "github.com/k3s-pinning/k3s-pinning"
 
 var (
-	buildOnce sync.Once
-	built     Binaries
-	buildErr  error
+	buildMu sync.Mutex
+	builds  = map[string]Binaries{}
 )
 
-// Build builds containerd, ctr and containerd-shim-runc-v2 once per process into a cache outside
-// the repo (the user cache dir, keyed by version); the Go build cache makes rebuilds cheap. A file
-// lock lets test packages running in parallel share one build.
+// Build builds containerd, ctr and containerd-shim-runc-v2 of the line MatrixEnv names (the
+// newest this project pins by default) once per process into a cache outside the repo (the user
+// cache dir, keyed by version); the Go build cache makes rebuilds cheap. A file lock lets test
+// packages running in parallel share one build.
 func Build() (Binaries, error) {
-	buildOnce.Do(func() { built, buildErr = build() })
-	return built, buildErr
+	l, err := line()
+	if err != nil {
+		return Binaries{}, err
+	}
+	return BuildLine(l)
 }
 
-func build() (Binaries, error) {
+// BuildLine is Build for the containerd line l: "" or one of Matrix.
+func BuildLine(l string) (Binaries, error) {
+	if l != "" && !slices.Contains(Matrix, l) {
+		return Binaries{}, fmt.Errorf("containerdtest: containerd line %q: not one of %v (or empty, for build/containerd)", l, Matrix)
+	}
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if b, ok := builds[l]; ok {
+		return b, nil
+	}
+	b, err := build(l)
+	if err == nil {
+		builds[l] = b
+	}
+	return b, err
+}
+
+// MatrixEnv names the containerd line the tests run against: "" (build/containerd, the newest
+// this project pins), or one of Matrix, built from build/containerd-<line>. make test runs the
+// run/keep tests and the short soak once per line.
+const MatrixEnv = "K3S_PINNING_CONTAINERD"
+
+// Matrix are the older containerd lines k3s ships that the tests also run against: 1.7 (k3s 1.31
+// and older) and 2.1 (k3s 1.33 and 1.34).
+var Matrix = []string{"1.7", "2.1"}
+
+// line is the containerd line of this test process, from MatrixEnv.
+func line() (string, error) {
+	l := os.Getenv(MatrixEnv)
+	if l != "" && !slices.Contains(Matrix, l) {
+		return "", fmt.Errorf("containerdtest: %s=%q: not one of %v (or empty, for build/containerd)", MatrixEnv, l, Matrix)
+	}
+	return l, nil
+}
+
+// Config1 says whether the daemon reads containerd 1.x's configuration (version 2, the CRI as
+// one plugin) rather than 2.x's (version 3, the CRI split into images and runtime plugins).
+func (b Binaries) Config1() bool { return strings.HasPrefix(b.Version, "v1.") }
+
+func build(l string) (Binaries, error) {
 	root, err := ModuleRoot()
 	if err != nil {
 		return Binaries{}, err
@@ -57,7 +100,15 @@ func build() (Binaries, error) {
 	// The daemon comes from its own module (build/containerd), not from the version of the client
 	// this module links: k3s imports this module, and a test fixture must not raise its versions.
 	root = filepath.Join(root, "build", "containerd")
-	out, err := goCmd(root, "list", "-m", "-f", "{{.Version}}", "github.com/containerd/containerd/v2")
+	module := "github.com/containerd/containerd/v2"
+	if l != "" {
+		root += "-" + l
+	}
+	if l == "1.7" {
+		module = "github.com/containerd/containerd"
+	}
+	cmds := module + "/cmd/"
+	out, err := goCmd(root, "list", "-m", "-f", "{{.Version}}", module)
 	if err != nil {
 		return Binaries{}, err
 	}
@@ -94,10 +145,7 @@ func build() (Binaries, error) {
 	}
 	defer os.RemoveAll(tmp)
 	// CGO off: no btrfs/devmapper plugins needed, and no C toolchain needed.
-	if _, err := goCmd(root, "build", "-o", tmp+"/",
-		"github.com/containerd/containerd/v2/cmd/containerd",
-		"github.com/containerd/containerd/v2/cmd/ctr",
-		"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"); err != nil {
+	if _, err := goCmd(root, "build", "-o", tmp+"/", cmds+"containerd", cmds+"ctr", cmds+"containerd-shim-runc-v2"); err != nil {
 		return Binaries{}, err
 	}
 	for _, name := range []string{"containerd", "ctr", "containerd-shim-runc-v2"} {
@@ -175,6 +223,8 @@ type Options struct {
 	Root string
 	// SandboxImage is pinned by containerd itself (pinned_images.sandbox).
 	SandboxImage string
+	// Line is the containerd line to run, "" or one of Matrix; default: what MatrixEnv says.
+	Line string
 }
 
 // Start starts containerd in dir (which must be short: unix socket paths are limited to 107
@@ -183,7 +233,14 @@ func Start(ctx context.Context, dir string, opts Options) (*Daemon, error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("containerdtest: containerd needs root (overlayfs snapshotter, mounts)")
 	}
-	bin, err := Build()
+	l, err := line()
+	if err != nil {
+		return nil, err
+	}
+	if opts.Line != "" {
+		l = opts.Line
+	}
+	bin, err := BuildLine(l)
 	if err != nil {
 		return nil, err
 	}
@@ -202,6 +259,9 @@ func Start(ctx context.Context, dir string, opts Options) (*Daemon, error) {
 }
 
 func (d *Daemon) config(opts Options) string {
+	if d.Bin.Config1() {
+		return d.config1(opts)
+	}
 	sandbox := ""
 	if opts.SandboxImage != "" {
 		sandbox = fmt.Sprintf("\n    [plugins.'io.containerd.cri.v1.images'.pinned_images]\n      sandbox = '%s'", opts.SandboxImage)
@@ -224,6 +284,32 @@ disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapsho
       conf_dir = '%[2]s/cni'
   [plugins.'io.containerd.nri.v1.nri']
     disable = true
+`, d.Root, d.Dir, d.Address, sandbox)
+}
+
+// config1 is config for containerd 1.7: the same settings in its version 2 format. 1.7 pins the
+// sandbox image itself too (the CRI sets the pin label on sandbox_image when it pulls it).
+func (d *Daemon) config1(opts Options) string {
+	sandbox := ""
+	if opts.SandboxImage != "" {
+		sandbox = fmt.Sprintf("\n  sandbox_image = '%s'", opts.SandboxImage)
+	}
+	return fmt.Sprintf(`version = 2
+root = '%[1]s'
+state = '%[2]s/state'
+disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.devmapper', 'io.containerd.snapshotter.v1.aufs', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']
+[grpc]
+  address = '%[3]s'
+[ttrpc]
+  address = '%[3]s.ttrpc'
+[plugins."io.containerd.grpc.v1.cri"]
+  restrict_oom_score_adj = true%[4]s
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = 'overlayfs'
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    conf_dir = '%[2]s/cni'
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
 `, d.Root, d.Dir, d.Address, sandbox)
 }
 
@@ -341,10 +427,11 @@ func New(t testing.TB, opts Options) *Daemon {
 		os.RemoveAll(dir)
 		t.Fatal(err)
 	}
+	t.Logf("containerd %s", d.Bin.Version)
 	t.Cleanup(func() {
 		d.Stop()
 		if t.Failed() {
-			t.Logf("containerd log (%s):\n%s", d.Log, tail(d.Log))
+			t.Logf("containerd %s log (%s):\n%s", d.Bin.Version, d.Log, tail(d.Log))
 		}
 		UnmountUnder(dir)
 		os.RemoveAll(dir)

@@ -4,9 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
+	"sync"
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/errdefs"
+	"golang.org/x/sync/errgroup"
 )
 
 // ErrNotOurs is returned when asked to remove a pin that k3s-pinning did not set.
@@ -81,10 +85,31 @@ func (p *Pinner) PinImage(ctx context.Context, img images.Image, source string) 
 	return Pinned, nil
 }
 
+// PutOpt is an option of Put.
+type PutOpt func(*putOptions)
+
+type putOptions struct {
+	listed *images.Image
+}
+
+// WithListed gives Put the reference as a list of the store showed it a moment ago. When it
+// already points at the target and is pinned (ours, or someone else's: left theirs), Put makes no
+// call at all: a warm restart verifies every reference of the images dir from one list of the store.
+func WithListed(existing images.Image) PutOpt {
+	return func(o *putOptions) { o.listed = &existing }
+}
+
 // Put makes the reference img.Name point at img.Target, pinned for source. A new reference is
 // created with the pin labels, so it never exists unpinned. On an existing one only the target
 // and the two pin labels are written, and a pin someone else set is left theirs.
-func (p *Pinner) Put(ctx context.Context, img images.Image, source string) (PinResult, error) {
+func (p *Pinner) Put(ctx context.Context, img images.Image, source string, opts ...PutOpt) (PinResult, error) {
+	var o putOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if l := o.listed; l != nil && l.Name == img.Name && l.Target.Digest == img.Target.Digest && OwnerOf(l.Labels) != NoPin {
+		return resultOf(OwnerOf(l.Labels)), nil // what the write below would find, with no write
+	}
 	img.Labels = PinLabels(source)
 	for range 3 {
 		_, err := p.store.Create(ctx, img)
@@ -204,24 +229,41 @@ func (p *Pinner) Adopt(ctx context.Context, img images.Image, source string) (Ad
 	return did, nil
 }
 
+// pinWorkers is how many pin writes PinWanted keeps in flight. containerd commits each write in a
+// transaction of its own, one at a time; a few in flight keep it from waiting on the next request.
+const pinWorkers = 8
+
 // PinWanted pins every image of all (the store's list, which the caller has made) that wants
 // names a source for and that is not pinned yet, and returns them with the source each was pinned
-// for. An error on one reference does not stop the others.
+// for. The writes go pinWorkers at a time; an error on one reference does not stop the others.
 func (p *Pinner) PinWanted(ctx context.Context, all []images.Image, wants func(images.Image) (string, bool)) (pinned map[string]string, err error) {
-	var errs []error
+	var (
+		mu   sync.Mutex
+		errs []error
+		g    errgroup.Group
+	)
+	g.SetLimit(pinWorkers)
 	for _, img := range all {
 		source, ok := wants(img)
 		if !ok || OwnerOf(img.Labels) != NoPin {
 			continue
 		}
-		if _, err := p.PinImage(ctx, img, source); err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if pinned == nil {
-			pinned = map[string]string{}
-		}
-		pinned[img.Name] = source
+		g.Go(func() error {
+			_, err := p.PinImage(ctx, img, source)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return nil
+			}
+			if pinned == nil {
+				pinned = map[string]string{}
+			}
+			pinned[img.Name] = source
+			return nil
+		})
 	}
+	g.Wait()
+	slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) }) // the same report for the same failures
 	return pinned, errors.Join(errs...)
 }

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"runtime"
 	"slices"
 	"sync"
 	"time"
@@ -23,6 +24,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
@@ -211,17 +213,36 @@ func (a *Agent) survey() *survey {
 			sv.present = append(sv.present, slices.Collect(maps.Keys(a.state.Archives))...)
 		}
 	}
-	for _, ar := range sv.archives {
+	type indexed struct {
+		idx *airgap.Index
+		d   digest.Digest
+		err error
+	}
+	all := make([]indexed, len(sv.archives))
+	parallel(len(sv.archives), func(i int) {
+		all[i].idx, all[i].d, all[i].err = a.index(sv.archives[i])
+	})
+	for i, ar := range sv.archives {
 		sv.present = append(sv.present, ar.Name())
-		idx, d, err := a.index(ar)
-		if idx != nil {
-			sv.read[ar.Name()], sv.digests[ar.Name()] = idx, d
+		if all[i].idx != nil {
+			sv.read[ar.Name()], sv.digests[ar.Name()] = all[i].idx, all[i].d
 		}
-		if err != nil {
-			sv.errs[ar.Name()] = err
+		if all[i].err != nil {
+			sv.errs[ar.Name()] = all[i].err
 		}
 	}
 	return sv
+}
+
+// parallel calls f(0) to f(n-1), as many at a time as the node has CPUs: reading an archive is
+// hashing and decompressing it, and a 2-core node reads two at once.
+func parallel(n int, f func(i int)) {
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i := range n {
+		g.Go(func() error { f(i); return nil })
+	}
+	g.Wait()
 }
 
 // Sync imports what the images dir holds and containerd lacks, pins every reference the images
@@ -247,14 +268,25 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.present, a.read = sv.present, sv.read
 	a.setPlan()
 	var releases []release
+	snap := &storeSnapshot{} // one list of the store verifies every unchanged archive
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
+	// Archives are imported side by side, then recorded in order; a reference two of them provide
+	// with the same image is pinned for the first by name, whichever creates it.
 	for _, lists := range []bool{false, true} {
+		var batch []airgap.Archive
 		for _, ar := range sv.archives {
 			if ar.IsList() == lists {
-				rep, rel := a.load(ctx, ar, sv.read[ar.Name()], sv.digests[ar.Name()], sv.errs[ar.Name()])
-				report.Archives = append(report.Archives, rep)
-				releases = append(releases, rel...)
+				batch = append(batch, ar)
 			}
+		}
+		reps := make([]ArchiveReport, len(batch))
+		parallel(len(batch), func(i int) {
+			ar := batch[i]
+			reps[i] = a.importArchive(ctx, snap, ar, sv.read[ar.Name()], sv.errs[ar.Name()])
+		})
+		for i, ar := range batch {
+			report.Archives = append(report.Archives, reps[i])
+			releases = append(releases, a.recordArchive(reps[i], sv.read[ar.Name()], sv.digests[ar.Name()])...)
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
@@ -322,32 +354,33 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 	if idx != nil {
 		a.read[ar.Name()] = idx
 	}
-	rep, releases := a.load(ctx, ar, idx, d, err)
+	rep, releases := a.load(ctx, &storeSnapshot{}, ar, idx, d, err)
 	a.replan()
 	a.release(ctx, releases)
 	return rep
 }
 
 // load imports and pins what ar provides (idx, as read with indexErr), except the references
-// another archive owns, and records it. It returns what the archive's previous content provided
-// and it no longer does, to release once the plan is made again.
-func (a *Agent) load(ctx context.Context, ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, indexErr error) (ArchiveReport, []release) {
+// another archive owns, and records it; snap is the store as this sync or restore listed it.
+// It returns what the archive's previous content provided and it no longer does, to release once
+// the plan is made again.
+func (a *Agent) load(ctx context.Context, snap *storeSnapshot, ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, indexErr error) (ArchiveReport, []release) {
+	rep := a.importArchive(ctx, snap, ar, idx, indexErr)
+	return rep, a.recordArchive(rep, idx, contentDigest)
+}
+
+// importArchive is load's first half: it imports and pins, and only reads the agent (its plan),
+// so that archives are imported side by side.
+func (a *Agent) importArchive(ctx context.Context, snap *storeSnapshot, ar airgap.Archive, idx *airgap.Index, indexErr error) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
 	if idx == nil {
 		rep.Err = indexErr
 		logrus.Errorf("%v", indexErr)
-		return rep, nil // the old record and its pins stay: a broken file never unpins anything
+		return rep
 	}
 	rep.Format, rep.Shadowed = idx.Format, a.plan.owners.shadowed(ar.Name())
-	refs, imported, loadErr := a.importer.Load(ctx, a.plan.owners.loadable(idx))
+	refs, imported, loadErr := a.importer.Load(ctx, a.plan.owners.loadable(idx), snap, a.plan.owners.of)
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
-	if loadErr != nil && len(refs) == 0 {
-		// The import failed as a whole (a full disk, containerd going away): like a damaged file,
-		// the old record and its pins stay, and the next sync or restore tries again.
-		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
-		return rep, nil
-	}
-	rel := a.record(ar, idx, contentDigest, refs)
 	for _, r := range refs {
 		switch {
 		case r.Err != nil:
@@ -361,7 +394,21 @@ func (a *Agent) load(ctx context.Context, ar airgap.Archive, idx *airgap.Index, 
 	if rep.Err != nil {
 		logrus.Errorf("%s: %v", ar.Name(), rep.Err)
 	}
-	return rep, rel
+	return rep
+}
+
+// recordArchive is load's second half: it records what rep's archive provided (idx, read with
+// content digest contentDigest), in turn with the other archives.
+func (a *Agent) recordArchive(rep ArchiveReport, idx *airgap.Index, contentDigest digest.Digest) []release {
+	if idx == nil {
+		return nil // the old record and its pins stay: a broken file never unpins anything
+	}
+	if rep.Err != nil && len(rep.Refs) == 0 {
+		// The import failed as a whole (a full disk, containerd going away): like a damaged file,
+		// the old record and its pins stay, and the next sync or restore tries again.
+		return nil
+	}
+	return a.record(rep.Archive, idx, contentDigest, rep.Refs)
 }
 
 // index is what ar provides, and the digest of its content. With the recorded size and mtime it

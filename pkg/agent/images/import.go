@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
@@ -43,15 +44,16 @@ type RefResult struct {
 	Err    error
 }
 
-// Load makes every reference idx provides present and pinned. A tarball is imported only when one
+// Load makes every reference idx provides present and pinned, for the archive owner names (the
+// plan's first archive by name that provides it). A tarball is imported only when one
 // of its images is missing or points elsewhere; otherwise its references are only verified and
 // pinned. A list pulls, through the CRI, what is not present. imported says whether content was
 // imported or pulled.
-func (im *importer) Load(ctx context.Context, idx *airgap.Index) (refs []RefResult, imported bool, err error) {
+func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnapshot, owner func(ref string) string) (refs []RefResult, imported bool, err error) {
 	if idx.Format == airgap.ImageList {
 		return im.pullList(ctx, idx)
 	}
-	targets, complete, err := im.presentTargets(ctx, idx)
+	targets, complete, err := im.presentTargets(ctx, idx, snap)
 	if err != nil {
 		return nil, false, err
 	}
@@ -71,8 +73,13 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index) (refs []RefResu
 		targets, imported = indexed(all, idx), true
 		faultPoint("import") // content imported, no reference created yet
 	}
-	source := idx.Archive.Name()
 	for _, img := range targets {
+		// A reference two tarballs provide with the same image is loaded by both, side by side:
+		// whichever creates it pins it for its owner, the first by name, as a load in turn would.
+		source := owner(img.Name)
+		if source == "" {
+			source = idx.Archive.Name()
+		}
 		names := References(img.Name, img.Target.Digest, im.extraRegistries)
 		if imported {
 			// The index checked entries by name; a blob whose content does not match the digest
@@ -85,7 +92,11 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index) (refs []RefResu
 			}
 		}
 		for _, name := range names {
-			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source)
+			var opts []pinning.PutOpt
+			if listed, ok := snap.listed(name); ok {
+				opts = append(opts, pinning.WithListed(listed))
+			}
+			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source, opts...)
 			refs = append(refs, RefResult{Ref: name, Digest: img.Target.Digest.String(), Result: res, Err: err})
 		}
 		if imported {
@@ -173,6 +184,9 @@ func References(name string, dgst digest.Digest, extraRegistries []string) []str
 	if dr := digestRef(name, dgst); dr != "" {
 		names = append(names, dr)
 	}
+	if len(extraRegistries) == 0 {
+		return names // the usual case, without parsing name again
+	}
 	tagged, err := reference.ParseDockerRef(name)
 	if err != nil {
 		return names
@@ -196,20 +210,74 @@ func References(name string, dgst digest.Digest, extraRegistries []string) []str
 	return names
 }
 
-// presentTargets returns the images of idx as they are in containerd, and whether all of them are
-// there, complete for the node's platform, with the content the archive holds (same manifest
-// digest, or for docker archives, whose manifest containerd writes at import, the same config).
-// Only what containerd says is not found counts as absent: any other error (containerd
-// restarting, a timeout) is returned, and never causes a re-import.
-func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index) ([]images.Image, bool, error) {
+// storeSnapshot is the image store and the content store, each listed once when first asked:
+// verifying that every reference of the images dir is present, complete and pinned then costs two
+// calls to containerd, not one or more per reference (a warm restart of 10,000 references). It is
+// a moment's view: what changes after it is seen by the events Run follows, and by the next sync.
+// A sync or a restore makes a new one; archives imported side by side share it.
+type storeSnapshot struct {
+	mu      sync.Mutex
+	images  map[string]images.Image // nil until the first image
+	content map[digest.Digest]bool  // nil until the first hasContent
+}
+
+// image is the reference ref as the snapshot lists it; the first call lists the image store.
+func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) (images.Image, bool, error) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	if snap.images == nil {
+		listed, err := im.cd.Images.List(ctx)
+		if err != nil {
+			return images.Image{}, false, fmt.Errorf("list images: %w", err)
+		}
+		snap.images = make(map[string]images.Image, len(listed))
+		for _, img := range listed {
+			snap.images[img.Name] = img
+		}
+	}
+	img, ok := snap.images[ref]
+	return img, ok, nil
+}
+
+// listed is name as the snapshot lists it, without listing the store when it has not yet.
+func (snap *storeSnapshot) listed(name string) (images.Image, bool) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	img, ok := snap.images[name]
+	return img, ok
+}
+
+// hasContent says whether containerd holds the blob d; the first call lists the content store.
+func (im *importer) hasContent(ctx context.Context, snap *storeSnapshot, d digest.Digest) (bool, error) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	if snap.content == nil {
+		all := map[digest.Digest]bool{}
+		if err := im.cd.Content.Walk(ctx, func(info content.Info) error {
+			all[info.Digest] = true
+			return nil
+		}); err != nil {
+			return false, fmt.Errorf("list content: %w", err)
+		}
+		snap.content = all
+	}
+	return snap.content[d], nil
+}
+
+// presentTargets returns the images of idx as they are in containerd (as snap lists them), and
+// whether all of them are there, complete for the node's platform, with the content the archive
+// holds (same manifest digest, or for docker archives, whose manifest containerd writes at import,
+// the same config). Only what containerd says is not found counts as absent: any other error
+// (containerd restarting, a timeout) is returned, and never causes a re-import.
+func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap *storeSnapshot) ([]images.Image, bool, error) {
 	var found []images.Image
 	for _, want := range idx.Images {
-		img, err := im.cd.Images.Get(ctx, want.Ref)
-		if errdefs.IsNotFound(err) {
-			return nil, false, nil
-		}
+		img, ok, err := im.image(ctx, snap, want.Ref)
 		if err != nil {
 			return nil, false, err
+		}
+		if !ok {
+			return nil, false, nil
 		}
 		if want.Digest != "" && img.Target.Digest != want.Digest {
 			return nil, false, nil
@@ -227,10 +295,10 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index) ([]im
 		// racing a restore, then containerd's GC) leaves a name the CRI cannot resolve. The
 		// target blob is enough to ask for: containerd's GC keeps a referenced manifest's
 		// children, and import checked them (complete) when the reference was made.
-		if _, err := im.cd.Content.Info(ctx, img.Target.Digest); errdefs.IsNotFound(err) {
-			return nil, false, nil
-		} else if err != nil {
+		if has, err := im.hasContent(ctx, snap, img.Target.Digest); err != nil {
 			return nil, false, err
+		} else if !has {
+			return nil, false, nil
 		}
 		found = append(found, img)
 	}
@@ -366,8 +434,41 @@ func (im *importer) pullList(ctx context.Context, idx *airgap.Index) ([]RefResul
 }
 
 // digestRef is the repo@digest form of ref, as k3s names an imported image and the CRI lists it
-// among an image's RepoDigests; "" when ref is not a reference or d is unknown.
+// among an image's RepoDigests; "" when ref is not a reference or d is unknown. Every sync and
+// every keep-set asks it of every wanted reference, and parsing one is regexp work (a fifth of a
+// warm restart's CPU, 2026-12-03): answers are remembered, up to maxDigestRefs of them.
 func digestRef(ref string, d digest.Digest) string {
+	key := digestRefKey{ref, d}
+	digestRefs.Lock()
+	dr, ok := digestRefs.m[key]
+	digestRefs.Unlock()
+	if ok {
+		return dr
+	}
+	dr = parseDigestRef(ref, d)
+	digestRefs.Lock()
+	defer digestRefs.Unlock()
+	if len(digestRefs.m) >= maxDigestRefs {
+		clear(digestRefs.m) // a node's references change slowly: start again rather than track use
+	}
+	digestRefs.m[key] = dr
+	return dr
+}
+
+type digestRefKey struct {
+	ref string
+	d   digest.Digest
+}
+
+// maxDigestRefs bounds the memo: ten times the references of a large node (about 20 MB).
+const maxDigestRefs = 100_000
+
+var digestRefs = struct {
+	sync.Mutex
+	m map[digestRefKey]string
+}{m: map[digestRefKey]string{}}
+
+func parseDigestRef(ref string, d digest.Digest) string {
 	named, err := reference.ParseNormalizedNamed(ref)
 	if err != nil || d == "" {
 		return ""

@@ -24,7 +24,7 @@ type archiveCase struct {
 	refs []string // tags it provides
 }
 
-func writeArchive(t *testing.T, dir string, c archiveCase) {
+func writeArchive(t testing.TB, dir string, c archiveCase) {
 	t.Helper()
 	path := filepath.Join(dir, c.file)
 	if c.oci {

@@ -100,6 +100,9 @@ func (o *owners) loadable(idx *airgap.Index) *airgap.Index {
 	return out
 }
 
+// of is the tarball that provides ref, "" for none.
+func (o *owners) of(ref string) string { return o.ref[ref] }
+
 // shadowed are the conflicts in which archive name lost.
 func (o *owners) shadowed(name string) []Conflict {
 	var out []Conflict

@@ -30,7 +30,7 @@ type store struct {
 	imagesDir string
 }
 
-func newStore(t *testing.T) *store {
+func newStore(t testing.TB) *store {
 	t.Helper()
 	dir := t.TempDir()
 	cs, err := local.NewStore(filepath.Join(dir, "content"))

@@ -4,14 +4,15 @@
 //
 //  1. cold start: the agent's import+pin of an images dir vs `ctr images import --no-unpack
 //     --all-platforms` of the same archives (the same work: content and image records, no unpack;
-//     k3s does not unpack at import either);
-//  2. warm restart with unchanged archives vs that cold import; and per 100 archives;
+//     k3s does not unpack at import either), for the 1 GiB set and for 100 archives of 10 images;
+//  2. warm restart with unchanged archives vs that cold import; and at 1,000 and 10,000
+//     references, against 0.1 s per 1,000;
 //  3. restore: CRI RemoveImage to the image back, vs `ctr images import` of its archive alone;
-//  4. the keep-decision inside the kubelet's real GC cycle over 5,000 images: with the filter vs
-//     without;
-//  5. idle CPU of `k3s-pinning run` over a quiet minute, and its resident memory, with 1,000
-//     wanted references;
-//  6. pin throughput on a 1,000-image store vs containerd's images.Update round trip alone.
+//  4. the keep-decision inside the kubelet's real GC cycle over 5,000 and 50,000 images: with the
+//     filter vs without;
+//  5. idle CPU of `k3s-pinning run` over a quiet minute with 1,000 wanted references, and its
+//     resident memory with 1,000 and 10,000;
+//  6. pin throughput on a 1,000-image store vs containerd's images.Update, one at a time.
 package bench
 
 import (
@@ -52,16 +53,18 @@ import (
 
 // Options size the run.
 type Options struct {
-	LargeImages int           // images of the large set, one archive each
-	LargeTotal  int64         // their total size in bytes
-	SmallImages int           // images of the small set, 10 per archive
-	GCImages    int           // images the kubelet's GC cycle lists
-	Idle        time.Duration // how long `k3s-pinning run` is watched doing nothing
-	Rounds      int           // rounds of the cold-start comparison; the best of each side counts
+	LargeImages  int           // images of the large set, one archive each
+	LargeTotal   int64         // their total size in bytes
+	SmallImages  int           // images of the small set, 10 per archive
+	GCImages     int           // images the kubelet's GC cycle lists, on the small set
+	HugeImages   int           // references of the huge set (10 per archive); 0 leaves it out
+	HugeGCImages int           // images the kubelet's GC cycle lists, on the huge set; 0: no cycle
+	Idle         time.Duration // how long `k3s-pinning run` is watched doing nothing
+	Rounds       int           // rounds of the cold-start comparison; the best of each side counts
 }
 
 // Defaults are the sizes the issue names.
-var Defaults = Options{LargeImages: 20, LargeTotal: 1 << 30, SmallImages: 1000, GCImages: 5000, Idle: time.Minute, Rounds: 2}
+var Defaults = Options{LargeImages: 20, LargeTotal: 1 << 30, SmallImages: 1000, GCImages: 5000, HugeImages: 10000, HugeGCImages: 50000, Idle: time.Minute, Rounds: 2}
 
 // Row is one line of the table.
 type Row struct {
@@ -101,11 +104,16 @@ func Run(ctx context.Context, opts Options, log io.Writer) ([]Row, error) {
 
 // daemon starts a fresh containerd in a dir of its own.
 func (b *bench) daemon(ctx context.Context, name string) (*containerdtest.Daemon, *containerd.Client, func(), error) {
+	return b.daemonOf(ctx, name, "")
+}
+
+// daemonOf starts a fresh containerd of the line l ("" or one of containerdtest.Matrix).
+func (b *bench) daemonOf(ctx context.Context, name, l string) (*containerdtest.Daemon, *containerd.Client, func(), error) {
 	dir := filepath.Join(b.work, name)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, nil, nil, err
 	}
-	d, err := containerdtest.Start(ctx, dir, containerdtest.Options{})
+	d, err := containerdtest.Start(ctx, dir, containerdtest.Options{Line: l})
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -269,62 +277,159 @@ func (b *bench) large(ctx context.Context) error {
 	return nil
 }
 
-func (b *bench) small(ctx context.Context) error {
-	dir := filepath.Join(b.work, "small-images")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
+// refSet is an images dir of archives of 10 small images each, synced into a containerd of its
+// own: once cold, then by a new agent on the state the first wrote (a warm restart).
+type refSet struct {
+	dir, state string
+	refs       []string
+	archives   []string
+	d          *containerdtest.Daemon
+	c          *containerd.Client
+	agent      *images.Agent // the warm one: its Keeper is the GC filter
+	cold, warm time.Duration
+}
+
+func (b *bench) refSet(ctx context.Context, name string, refCount int) (*refSet, func(), error) {
+	return b.refSetOn(ctx, name, refCount, "")
+}
+
+// refSetOn is refSet on a containerd of the line l.
+func (b *bench) refSetOn(ctx context.Context, name string, refCount int, l string) (*refSet, func(), error) {
+	s := &refSet{dir: filepath.Join(b.work, name+"-images"), state: filepath.Join(b.work, name+"-state.json")}
+	if err := os.MkdirAll(s.dir, 0o755); err != nil {
+		return nil, nil, err
 	}
 	perArchive := 10
-	count := b.opts.SmallImages / perArchive
+	count := refCount / perArchive
 	fmt.Fprintf(b.log, "== writing %d archives of %d small images\n", count, perArchive)
-	var refs []string
 	for a := range count {
 		tags := map[string]v1.Image{}
 		for i := range perArchive {
 			img, err := imagetest.Image(4<<10, imagetest.Amd64)
 			if err != nil {
-				return err
+				return nil, nil, err
 			}
-			ref := fmt.Sprintf("bench.example/small/a%03d-img%d:1.0", a, i)
-			tags[ref], refs = img, append(refs, ref)
+			ref := fmt.Sprintf("bench.example/%s/a%04d-img%d:1.0", name, a, i)
+			tags[ref], s.refs = img, append(s.refs, ref)
 		}
-		if err := imagetest.WriteDocker(filepath.Join(dir, fmt.Sprintf("small-%03d.tar", a)), tags); err != nil {
-			return err
+		path := filepath.Join(s.dir, fmt.Sprintf("%s-%04d.tar", name, a))
+		if err := imagetest.WriteDocker(path, tags); err != nil {
+			return nil, nil, err
+		}
+		s.archives = append(s.archives, path)
+	}
+	d, c, stop, err := b.daemonOf(ctx, name, l)
+	if err != nil {
+		return nil, nil, err
+	}
+	s.d, s.c = d, c
+	start := time.Now()
+	if err := images.NewAgent(images.Services(c), images.Config{ImagesDir: s.dir, StateFile: s.state}).Sync(ctx).Err(); err != nil {
+		stop()
+		return nil, nil, err
+	}
+	s.cold = time.Since(start)
+	fmt.Fprintf(b.log, "   cold sync of %d references: %s\n", len(s.refs), s.cold.Round(time.Millisecond))
+	s.agent = images.NewAgent(images.Services(c), images.Config{ImagesDir: s.dir, StateFile: s.state})
+	start = time.Now()
+	rep := s.agent.Sync(ctx)
+	s.warm = time.Since(start)
+	if err := rep.Err(); err != nil {
+		stop()
+		return nil, nil, err
+	}
+	for _, a := range rep.Archives {
+		if a.Imported {
+			stop()
+			return nil, nil, fmt.Errorf("warm restart imported %s again", a.Archive.Name())
 		}
 	}
-	d, c, stop, err := b.daemon(ctx, "small")
+	return s, stop, nil
+}
+
+// warmRow is the warm restart of s, against the target of 0.1 s per 1,000 references.
+func (b *bench) warmRow(s *refSet) {
+	per1000 := s.warm * 1000 / time.Duration(len(s.refs))
+	b.add(Row{Figure: fmt.Sprintf("warm restart, %d references (%d archives), containerd %s", len(s.refs), len(s.archives), s.d.Bin.Version),
+		Value:    fmt.Sprintf("%s (%s per 1,000)", secs(s.warm), secs(per1000)),
+		Baseline: secs(s.cold) + " cold sync", Ratio: ratio(s.warm, s.cold),
+		Target: "<= 0.100 s per 1,000", Met: yes(per1000 <= 100*time.Millisecond)})
+}
+
+func (b *bench) small(ctx context.Context) error {
+	set, stop, err := b.refSet(ctx, "small", b.opts.SmallImages)
 	if err != nil {
 		return err
 	}
 	defer stop()
-	stateFile := filepath.Join(b.work, "small-state.json")
-	start := time.Now()
-	agent := images.NewAgent(images.Services(c), images.Config{ImagesDir: dir, StateFile: stateFile})
-	if err := agent.Sync(ctx).Err(); err != nil {
+	b.warmRow(set)
+	if err := b.coldSmall(ctx, set); err != nil {
 		return err
 	}
-	cold := time.Since(start)
-	start = time.Now()
-	if err := images.NewAgent(images.Services(c), images.Config{ImagesDir: dir, StateFile: stateFile}).Sync(ctx).Err(); err != nil {
+	if err := b.gcCycle(ctx, set, b.opts.GCImages, 30); err != nil {
 		return err
 	}
-	warm := time.Since(start)
-	b.add(Row{Figure: "warm restart per 100 archives (10 images each)", Value: secs(warm * 100 / time.Duration(count)),
-		Baseline: secs(cold*100/time.Duration(count)) + " cold sync", Ratio: ratio(warm, cold), Target: "-"})
+	if err := b.agentProcess(ctx, set, true); err != nil {
+		return err
+	}
+	if err := b.pinThroughput(ctx, set.c, set.refs); err != nil {
+		return err
+	}
+	stop()
 
-	if err := b.gcCycle(ctx, c, agent); err != nil {
+	// The same warm restart on each older containerd line k3s ships.
+	for _, l := range containerdtest.Matrix {
+		set, stop, err := b.refSetOn(ctx, "small-"+l, b.opts.SmallImages, l)
+		if err != nil {
+			return fmt.Errorf("containerd %s: %w", l, err)
+		}
+		b.warmRow(set)
+		stop()
+	}
+
+	if b.opts.HugeImages <= 0 {
+		return nil
+	}
+	huge, stop, err := b.refSet(ctx, "huge", b.opts.HugeImages)
+	if err != nil {
 		return err
 	}
-	if err := b.idle(ctx, d, dir); err != nil {
+	defer stop()
+	b.warmRow(huge)
+	if err := b.agentProcess(ctx, huge, false); err != nil {
 		return err
 	}
-	return b.pinThroughput(ctx, c, refs)
+	if b.opts.HugeGCImages > 0 {
+		return b.gcCycle(ctx, huge, b.opts.HugeGCImages, 10)
+	}
+	return nil
+}
+
+// coldSmall compares the cold sync of the small set with `ctr images import` of its archives.
+func (b *bench) coldSmall(ctx context.Context, s *refSet) error {
+	d, _, stop, err := b.daemon(ctx, "small-ctr")
+	if err != nil {
+		return err
+	}
+	defer stop()
+	start := time.Now()
+	for _, a := range s.archives {
+		if out, err := exec.CommandContext(ctx, d.Bin.Ctr, "-a", d.Address, "-n", pinning.DefaultNamespace, "images", "import", "--no-unpack", "--all-platforms", a).CombinedOutput(); err != nil {
+			return fmt.Errorf("ctr images import %s: %v\n%s", a, err, out)
+		}
+	}
+	ctr := time.Since(start)
+	b.add(Row{Figure: fmt.Sprintf("cold start: import+pin of %d archives of 10 small images", len(s.archives)),
+		Value: secs(s.cold), Baseline: secs(ctr) + " ctr images import", Ratio: ratio(s.cold, ctr), Target: "<= 0.35"})
+	return nil
 }
 
 // gcCycle times the kubelet's real GC cycle (GarbageCollect below the threshold: detection and
-// ordering of every image, nothing to delete) over GCImages images, with and without the filter.
-func (b *bench) gcCycle(ctx context.Context, c *containerd.Client, agent *images.Agent) error {
-	extra := b.opts.GCImages - b.opts.SmallImages
+// ordering of every image, nothing to delete) over total images, with the filter of s's agent and
+// without, rounds cycles of each kind.
+func (b *bench) gcCycle(ctx context.Context, s *refSet, total, rounds int) error {
+	c := s.c
+	extra := total - len(s.refs)
 	fmt.Fprintf(b.log, "== creating %d more images for the kubelet's GC cycle\n", extra)
 	if err := createImages(ctx, c, extra); err != nil {
 		return err
@@ -332,13 +437,13 @@ func (b *bench) gcCycle(ctx context.Context, c *containerd.Client, agent *images
 
 	conn := c.Conn().(*grpc.ClientConn)
 	cri := runtimeapi.NewImageServiceClient(conn)
-	for deadline := time.Now().Add(2 * time.Minute); ; {
+	for deadline := time.Now().Add(5 * time.Minute); ; {
 		resp, err := cri.ListImages(ctx, &runtimeapi.ListImagesRequest{})
-		if err == nil && len(resp.Images) >= b.opts.GCImages {
+		if err == nil && len(resp.Images) >= total {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("the CRI lists %d images, want %d (%v); missing: %v", len(resp.GetImages()), b.opts.GCImages, err, missingFromCRI(ctx, c, resp.GetImages()))
+			return fmt.Errorf("the CRI lists %d images, want %d (%v); missing: %v", len(resp.GetImages()), total, err, missingFromCRI(ctx, c, resp.GetImages()))
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
@@ -346,13 +451,13 @@ func (b *bench) gcCycle(ctx context.Context, c *containerd.Client, agent *images
 	if err != nil {
 		return err
 	}
-	// Cycles of 50 ms on a shared VM: 30 of each kind, alternating, compared by median.
+	// Cycles on a shared VM: alternating, compared by median.
 	var with, without []time.Duration
-	for i := range 62 {
+	for i := range 2*rounds + 2 {
 		filtered := i%2 == 1
 		var unregister func()
 		if filtered {
-			unregister = kubeletgc.RegisterFilter(agent.Keeper())
+			unregister = kubeletgc.RegisterFilter(s.agent.Keeper())
 		}
 		start := time.Now()
 		err := manager.GarbageCollect(ctx, start)
@@ -373,7 +478,7 @@ func (b *bench) gcCycle(ctx context.Context, c *containerd.Client, agent *images
 		}
 	}
 	mw, mo := median(with), median(without)
-	b.add(Row{Figure: fmt.Sprintf("kubelet GC cycle, %d images, filter registered", b.opts.GCImages), Value: secs(mw),
+	b.add(Row{Figure: fmt.Sprintf("kubelet GC cycle, %d images, filter registered", total), Value: secs(mw),
 		Baseline: secs(mo) + " without filter", Ratio: ratio(mw, mo), Target: "<= 1.05"})
 	return nil
 }
@@ -431,21 +536,25 @@ func createImages(ctx context.Context, c *containerd.Client, n int) error {
 	return nil
 }
 
-// idle runs the built `k3s-pinning run` on the small set (1,000 wanted references), waits for
-// its first sync, then reads its CPU time and memory over a quiet period.
-func (b *bench) idle(ctx context.Context, d *containerdtest.Daemon, imagesDir string) error {
-	root, err := containerdtest.ModuleRoot()
-	if err != nil {
-		return err
-	}
+// agentProcess runs the built `k3s-pinning run` on s (its references already loaded: what a
+// restart finds), waits for its first sync, then reads its resident memory and, with idle, its
+// CPU time over a quiet period.
+func (b *bench) agentProcess(ctx context.Context, s *refSet, idle bool) error {
 	bin := filepath.Join(b.work, "k3s-pinning")
-	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/k3s-pinning")
-	build.Dir, build.Env = root, append(os.Environ(), "GOWORK=off", "GOFLAGS=")
-	if out, err := build.CombinedOutput(); err != nil {
-		return fmt.Errorf("build k3s-pinning: %v\n%s", err, out)
+	if _, err := os.Stat(bin); err != nil {
+		root, err := containerdtest.ModuleRoot()
+		if err != nil {
+			return err
+		}
+		build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/k3s-pinning")
+		build.Dir, build.Env = root, append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+		if out, err := build.CombinedOutput(); err != nil {
+			return fmt.Errorf("build k3s-pinning: %v\n%s", err, out)
+		}
 	}
-	state := filepath.Join(b.work, "idle-state.json")
-	cmd := exec.CommandContext(ctx, bin, "run", "--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", state, "--restore")
+	state := filepath.Join(b.work, "process-state.json")
+	os.Remove(state)
+	cmd := exec.CommandContext(ctx, bin, "run", "--containerd-address", s.d.Address, "--images-dir", s.dir, "--state-file", state, "--restore")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return err
@@ -453,51 +562,64 @@ func (b *bench) idle(ctx context.Context, d *containerdtest.Daemon, imagesDir st
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
 	defer containerdtest.Terminate(cmd.Process, exited, 10*time.Second)
-	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
 		if _, err := os.Stat(state); err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("k3s-pinning run wrote no state within 2 minutes")
+			return fmt.Errorf("k3s-pinning run wrote no state within 5 minutes")
 		}
 	}
 	time.Sleep(3 * time.Second) // let the first sync's work and the GC of its garbage finish
-	fmt.Fprintf(b.log, "== watching k3s-pinning run (pid %d) for %s\n", cmd.Process.Pid, b.opts.Idle)
-	cpu0, err := cpuSeconds(cmd.Process.Pid)
-	if err != nil {
-		return err
-	}
-	time.Sleep(b.opts.Idle)
-	cpu1, err := cpuSeconds(cmd.Process.Pid)
-	if err != nil {
-		return err
+	if idle {
+		fmt.Fprintf(b.log, "== watching k3s-pinning run (pid %d) for %s\n", cmd.Process.Pid, b.opts.Idle)
+		cpu0, err := cpuSeconds(cmd.Process.Pid)
+		if err != nil {
+			return err
+		}
+		time.Sleep(b.opts.Idle)
+		cpu1, err := cpuSeconds(cmd.Process.Pid)
+		if err != nil {
+			return err
+		}
+		b.add(Row{Figure: fmt.Sprintf("idle CPU of `k3s-pinning run` over %s", b.opts.Idle), Value: fmt.Sprintf("%.2f s", cpu1-cpu0),
+			Baseline: "-", Target: "< 0.05 s", Met: yes(cpu1-cpu0 < 0.05)})
 	}
 	rss, hwm, err := memory(cmd.Process.Pid)
 	if err != nil {
 		return err
 	}
-	b.add(Row{Figure: fmt.Sprintf("idle CPU of `k3s-pinning run` over %s", b.opts.Idle), Value: fmt.Sprintf("%.2f s", cpu1-cpu0),
-		Baseline: "-", Target: "< 0.05 s", Met: yes(cpu1-cpu0 < 0.05)})
-	b.add(Row{Figure: fmt.Sprintf("resident memory, %d wanted references", b.opts.SmallImages), Value: fmt.Sprintf("%.1f MiB (peak %.1f)", rss, hwm),
-		Baseline: "-", Target: "< 64 MiB", Met: yes(rss < 64)})
+	b.add(Row{Figure: fmt.Sprintf("resident memory of `k3s-pinning run`, %d wanted references", len(s.refs)), Value: fmt.Sprintf("%.1f MiB (peak %.1f)", rss, hwm),
+		Baseline: "-", Target: "<= 64 MiB", Met: yes(rss <= 64)})
 	return nil
 }
 
 // pinThroughput pins every reference of the small set again after stripping every pin, as the
-// agent does, and compares with the bare images.Update that sets the same label.
+// agent does (PinWanted over one list of the store, its writes pipelined), and compares with
+// the bare images.Update that sets the same label, one at a time.
 func (b *bench) pinThroughput(ctx context.Context, c *containerd.Client, refs []string) error {
 	store := c.ImageService()
 	pinner := pinning.NewPinner(store)
 	if err := containerdtest.StripPins(ctx, store); err != nil {
 		return err
 	}
-	start := time.Now()
+	wanted := map[string]bool{}
 	for _, ref := range refs {
-		if _, err := pinner.Pin(ctx, ref, "bench"); err != nil {
-			return err
-		}
+		wanted[ref] = true
 	}
+	start := time.Now()
+	listed, err := store.List(ctx)
+	if err != nil {
+		return err
+	}
+	pinned, err := pinner.PinWanted(ctx, listed, func(img cimages.Image) (string, bool) { return "bench", wanted[img.Name] })
 	ours := time.Since(start)
+	if err != nil {
+		return err
+	}
+	if len(pinned) != len(refs) {
+		return fmt.Errorf("PinWanted pinned %d of %d references", len(pinned), len(refs))
+	}
 	if err := containerdtest.StripPins(ctx, store); err != nil {
 		return err
 	}
@@ -511,7 +633,7 @@ func (b *bench) pinThroughput(ctx context.Context, c *containerd.Client, refs []
 	bare := time.Since(start)
 	perSec := func(d time.Duration) string { return fmt.Sprintf("%.0f refs/s", float64(len(refs))/d.Seconds()) }
 	b.add(Row{Figure: fmt.Sprintf("pin throughput, %d references", len(refs)), Value: perSec(ours),
-		Baseline: perSec(bare) + " images.Update alone", Ratio: ratio(ours, bare), Target: "-"})
+		Baseline: perSec(bare) + " one images.Update at a time", Ratio: ratio(ours, bare), Target: "-"})
 	return nil
 }
 

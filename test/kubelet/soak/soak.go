@@ -90,6 +90,7 @@ type Result struct {
 	GCRemoved  int           // images the kubelet's DeleteUnusedImages removed
 	MaxSettle  time.Duration // longest time the invariant took to hold again
 	Elapsed    time.Duration
+	Containerd string // the daemon's version
 }
 
 // archive is the soak's model of one archive in the images dir.
@@ -199,7 +200,7 @@ func (s *soak) setUp(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	s.daemon = daemon
+	s.daemon, s.res.Containerd = daemon, daemon.Bin.Version
 	if s.client, err = daemon.Client(); err != nil {
 		return err
 	}
@@ -620,8 +621,8 @@ func (s *soak) check() string {
 
 // Print writes the summary.
 func (r *Result) Print(w io.Writer) {
-	fmt.Fprintf(w, "soak seed %d: %d rounds in %s, %d faults injected, %d steps with nothing to act on, %d images removed by the kubelet's DeleteUnusedImages, longest settle %s\n",
-		r.Seed, r.Rounds, r.Elapsed.Round(time.Second), r.total(), r.Skipped, r.GCRemoved, r.MaxSettle.Round(time.Millisecond))
+	fmt.Fprintf(w, "soak seed %d (containerd %s): %d rounds in %s, %d faults injected, %d steps with nothing to act on, %d images removed by the kubelet's DeleteUnusedImages, longest settle %s\n",
+		r.Seed, r.Containerd, r.Rounds, r.Elapsed.Round(time.Second), r.total(), r.Skipped, r.GCRemoved, r.MaxSettle.Round(time.Millisecond))
 	for _, f := range Faults {
 		fmt.Fprintf(w, "  %-22s %d\n", f, r.Injected[f])
 	}

@@ -1,0 +1,119 @@
+package images_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"google.golang.org/grpc"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// callCounter counts the gRPC calls a containerd client makes, by method.
+type callCounter struct {
+	mu    sync.Mutex
+	calls map[string]int
+}
+
+func (c *callCounter) count(method string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.calls[method]++
+}
+
+func (c *callCounter) dialOpts() []grpc.DialOption {
+	return []grpc.DialOption{
+		grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			c.count(method)
+			return invoker(ctx, method, req, reply, cc, opts...)
+		}),
+		grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			c.count(method)
+			return streamer(ctx, desc, cc, method, opts...)
+		}),
+	}
+}
+
+// TestWarmRestartCallsDoNotGrowWithReferences: a restart with unchanged archives verifies every
+// reference (present, its content there, pinned) from one list of the image store and one of the
+// content store. The calls it makes to containerd are the same for 2 archives as for 12: one call
+// per reference made a node with 10,000 references wait 20 s before its kubelet could start.
+func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
+	n := newNode(t)
+	warmCalls := func(archives int) map[string]int {
+		t.Helper()
+		dir := filepath.Join(t.TempDir(), "images")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for i := range archives {
+			var refs []string
+			for j := range 3 {
+				refs = append(refs, fmt.Sprintf("scale.example/n%d/a%02d-img%d:1.0", archives, i, j))
+			}
+			writeArchive(t, dir, archiveCase{file: fmt.Sprintf("a%02d.tar", i), oci: i%2 == 1, refs: refs})
+		}
+		cfg := images.Config{ImagesDir: dir, StateFile: filepath.Join(t.TempDir(), "state.json"), ExtraRegistries: []string{"mirror.example"}}
+		if err := images.NewAgent(images.Services(n.client), cfg).Sync(n.ctx).Err(); err != nil {
+			t.Fatalf("cold sync of %d archives: %v", archives, err)
+		}
+		counter := &callCounter{calls: map[string]int{}}
+		client, err := containerd.New(n.daemon.Address, containerd.WithExtraDialOpts(counter.dialOpts()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer client.Close()
+		report := images.NewAgent(images.Services(client), cfg).Sync(n.ctx)
+		if err := report.Err(); err != nil {
+			t.Fatalf("warm sync of %d archives: %v", archives, err)
+		}
+		verified := 0
+		for _, a := range report.Archives {
+			for _, r := range a.Refs {
+				verified++
+				if a.Imported || r.Result != pinning.AlreadyOurs {
+					t.Errorf("warm sync: %s: imported=%t, %s %s", a.Archive.Name(), a.Imported, r.Ref, r.Result)
+				}
+			}
+		}
+		if want := archives * 3 * 4; verified != want { // each tag and its repo@digest, also under mirror.example
+			t.Errorf("warm sync of %d archives verified %d references, want %d", archives, verified, want)
+		}
+		return counter.calls
+	}
+	few, many := warmCalls(2), warmCalls(12)
+	if !maps.Equal(few, many) {
+		t.Errorf("calls to containerd grow with the references:\n  2 archives:  %v\n  12 archives: %v", few, many)
+	}
+	t.Logf("calls of a warm sync, 2 or 12 archives: %v", many)
+}
+
+// BenchmarkWarmSync is a restart of the agent on 100 unchanged archives of 10 images (1,000
+// references; with their repo@digest names, 2,000) on containerd's own metadata store: the work
+// of a warm restart without the gRPC round trips, which make bench measures on a daemon.
+func BenchmarkWarmSync(b *testing.B) {
+	s := newStore(b)
+	for i := range 100 {
+		var refs []string
+		for j := range 10 {
+			refs = append(refs, fmt.Sprintf("bench.example/a%03d-img%d:1.0", i, j))
+		}
+		writeArchive(b, s.imagesDir, archiveCase{file: fmt.Sprintf("a%03d.tar", i), refs: refs})
+	}
+	cfg := images.Config{ImagesDir: s.imagesDir, StateFile: filepath.Join(b.TempDir(), "state.json")}
+	if err := images.NewAgent(s.cd, cfg).Sync(s.ctx).Err(); err != nil {
+		b.Fatal(err)
+	}
+	for b.Loop() {
+		if err := images.NewAgent(s.cd, cfg).Sync(s.ctx).Err(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
