@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/sirupsen/logrus"
 	"google.golang.org/grpc"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
@@ -99,6 +100,9 @@ func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
 // references; with their repo@digest names, 2,000) on containerd's own metadata store: the work
 // of a warm restart without the gRPC round trips, which make bench measures on a daemon.
 func BenchmarkWarmSync(b *testing.B) {
+	level := logrus.GetLevel()
+	logrus.SetLevel(logrus.WarnLevel) // one line per reference would be most of the output
+	b.Cleanup(func() { logrus.SetLevel(level) })
 	s := newStore(b)
 	for i := range 100 {
 		var refs []string

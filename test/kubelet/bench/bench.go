@@ -209,7 +209,7 @@ func (b *bench) large(ctx context.Context) error {
 	}
 	defer stopOurs()
 	b.add(Row{Figure: fmt.Sprintf("cold start: import+pin of %d archives, %d MiB", len(archives), b.opts.LargeTotal>>20),
-		Value: secs(oursBest), Baseline: secs(ctrBest) + " ctr images import", Ratio: ratio(oursBest, ctrBest), Target: "<= 1.10"})
+		Value: secs(oursBest), Baseline: secs(ctrBest) + " ctr images import", Ratio: ratio(oursBest, ctrBest), Target: "<= 0.35"})
 
 	// 2. Warm restart: a new agent on the state the cold start wrote; nothing changed.
 	start := time.Now()
