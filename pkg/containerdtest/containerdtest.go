@@ -258,59 +258,47 @@ func Start(ctx context.Context, dir string, opts Options) (*Daemon, error) {
 	return d, d.start(ctx)
 }
 
+// config is the daemon's configuration: the same settings in containerd 2.x's version 3 format
+// or, for 1.7, in its version 2 format (the CRI one plugin there, two here).
 func (d *Daemon) config(opts Options) string {
-	if d.Bin.Config1() {
-		return d.config1(opts)
-	}
-	sandbox := ""
-	if opts.SandboxImage != "" {
-		sandbox = fmt.Sprintf("\n    [plugins.'io.containerd.cri.v1.images'.pinned_images]\n      sandbox = '%s'", opts.SandboxImage)
-	}
-	return fmt.Sprintf(`version = 3
-root = '%[1]s'
-state = '%[2]s/state'
-disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.devmapper', 'io.containerd.snapshotter.v1.aufs', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']
-[grpc]
-  address = '%[3]s'
-[ttrpc]
-  address = '%[3]s.ttrpc'
-[plugins]
+	version, plugins := 3, `[plugins]
   [plugins.'io.containerd.cri.v1.images']
-    snapshotter = 'overlayfs'%[4]s
+    snapshotter = 'overlayfs'%[2]s
   [plugins.'io.containerd.cri.v1.runtime']
     # these VMs lack CAP_SYS_RESOURCE: runc cannot set oom_score_adj=-998 for sandboxes otherwise
     restrict_oom_score_adj = true
     [plugins.'io.containerd.cri.v1.runtime'.cni]
-      conf_dir = '%[2]s/cni'
+      conf_dir = '%[1]s/cni'
   [plugins.'io.containerd.nri.v1.nri']
     disable = true
-`, d.Root, d.Dir, d.Address, sandbox)
-}
-
-// config1 is config for containerd 1.7: the same settings in its version 2 format. 1.7 pins the
-// sandbox image itself too (the CRI sets the pin label on sandbox_image when it pulls it).
-func (d *Daemon) config1(opts Options) string {
-	sandbox := ""
-	if opts.SandboxImage != "" {
-		sandbox = fmt.Sprintf("\n  sandbox_image = '%s'", opts.SandboxImage)
-	}
-	return fmt.Sprintf(`version = 2
-root = '%[1]s'
-state = '%[2]s/state'
-disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.devmapper', 'io.containerd.snapshotter.v1.aufs', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']
-[grpc]
-  address = '%[3]s'
-[ttrpc]
-  address = '%[3]s.ttrpc'
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true%[4]s
+`
+	sandbox := "\n    [plugins.'io.containerd.cri.v1.images'.pinned_images]\n      sandbox = '%s'"
+	if d.Bin.Config1() {
+		version, plugins = 2, `[plugins."io.containerd.grpc.v1.cri"]
+  restrict_oom_score_adj = true%[2]s
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = 'overlayfs'
   [plugins."io.containerd.grpc.v1.cri".cni]
-    conf_dir = '%[2]s/cni'
+    conf_dir = '%[1]s/cni'
 [plugins."io.containerd.nri.v1.nri"]
   disable = true
-`, d.Root, d.Dir, d.Address, sandbox)
+`
+		sandbox = "\n  sandbox_image = '%s'"
+	}
+	if opts.SandboxImage != "" {
+		sandbox = fmt.Sprintf(sandbox, opts.SandboxImage)
+	} else {
+		sandbox = ""
+	}
+	return fmt.Sprintf(`version = %d
+root = '%s'
+state = '%s/state'
+disabled_plugins = ['io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.devmapper', 'io.containerd.snapshotter.v1.aufs', 'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']
+[grpc]
+  address = '%[4]s'
+[ttrpc]
+  address = '%[4]s.ttrpc'
+`, version, d.Root, d.Dir, d.Address) + fmt.Sprintf(plugins, d.Dir, sandbox)
 }
 
 func (d *Daemon) start(ctx context.Context) error {
