@@ -12,6 +12,7 @@ import (
 	"maps"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -123,6 +124,11 @@ func newApp(stdout io.Writer) *cli.App {
 							})
 						}
 						logrus.Infof("k3s-pinning run: protecting %s on %s", o.imagesDir, o.address)
+						// A sync's lists of the store are garbage once it ends; the runtime would
+						// keep their pages for minutes (167 MiB resident at 10,000 references
+						// with 35 MiB of heap in use). A forced collection after each sync (at
+						// start, every reconcile interval, on resync) returns them now.
+						o.run.AfterSync = debug.FreeOSMemory
 						g.Go(func() error { return a.Run(ctx, o.run) })
 						return g.Wait()
 					})

@@ -32,6 +32,10 @@ type RunOptions struct {
 	// Synced says the caller ran Sync just before (k3s's start-up, which waits for the import):
 	// Run does not sync again before it follows events.
 	Synced bool
+	// AfterSync, when set, is called after each full sync, outside the agent's lock. The
+	// standalone daemon returns the sync's transient memory to the system there (a sync lists
+	// every image and content entry of the store).
+	AfterSync func()
 }
 
 // DefaultReconcileInterval is the safety-net period; events do the steady-state work.
@@ -96,6 +100,14 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 		a.sync(ctx)
 	}
 	a.mu.Unlock()
+	afterSync := func() {
+		if opts.AfterSync != nil {
+			opts.AfterSync()
+		}
+	}
+	if !opts.Synced {
+		afterSync()
+	}
 	pending := map[string]*pendingRestore{}
 	ticker := time.NewTicker(opts.ReconcileInterval)
 	defer ticker.Stop()
@@ -146,6 +158,9 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 		}
 		a.updateView(pending)
 		a.mu.Unlock()
+		if tick {
+			afterSync()
+		}
 	}
 }
 

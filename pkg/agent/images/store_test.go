@@ -214,3 +214,40 @@ func imageNamed(t *testing.T, s *store, ref string, labels map[string]string, re
 	}
 	return img
 }
+
+// TestRunCallsAfterSyncAfterTheSync: the standalone daemon's hook (it hands the sync's transient
+// memory back to the system) runs once the first sync has pinned what the images dir provides,
+// and outside the agent's lock (the hook may ask the agent anything).
+func TestRunCallsAfterSyncAfterTheSync(t *testing.T) {
+	s := newStore(t)
+	ref := "acc.example/app:1.0"
+	writeArchive(t, s.imagesDir, archiveCase{file: "app.tar", refs: []string{ref}})
+	a := images.NewAgent(s.cd, images.Config{ImagesDir: s.imagesDir})
+	ctx, cancel := context.WithCancel(s.ctx)
+	defer cancel()
+	pinsAtHook := make(chan map[string]string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- a.Run(ctx, images.RunOptions{ReconcileInterval: time.Hour, AfterSync: func() {
+			a.View() // takes the agent's lock: a hook called under it would never return
+			select {
+			case pinsAtHook <- s.pins(t):
+			default:
+			}
+		}})
+	}()
+	select {
+	case pins := <-pinsAtHook:
+		if pins[ref] != "app.tar" {
+			t.Errorf("at the hook: pins %v, want %s pinned for app.tar", pins, ref)
+		}
+	case err := <-done:
+		t.Fatalf("Run returned before the hook: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("AfterSync was not called within 30 s of the start")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
