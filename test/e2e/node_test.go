@@ -304,6 +304,21 @@ func (n *node) appContainers() int {
 // returns the file to remove to release it.
 func (n *node) pressure() string { return n.fill(evictionThreshold - 20<<20) }
 
+// pinLabels lists every reference in containerd that carries a pin label, with its labels.
+func (n *node) pinLabels() []string {
+	all, err := n.client.ImageService().List(n.ctx)
+	if err != nil {
+		return []string{err.Error()}
+	}
+	var out []string
+	for _, img := range all {
+		if img.Labels[pinning.LabelPinned] != "" {
+			out = append(out, fmt.Sprintf("%s %v (updated %s)", img.Name, img.Labels, img.UpdatedAt.Format(time.RFC3339Nano)))
+		}
+	}
+	return out
+}
+
 // stripPins removes every pin label from every image: a runtime that lost them.
 func (n *node) stripPins() {
 	if err := containerdtest.StripPins(n.ctx, n.client.ImageService()); err != nil {
