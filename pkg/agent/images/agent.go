@@ -268,7 +268,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.present, a.read = sv.present, sv.read
 	a.setPlan()
 	var releases []release
-	snap := &storeSnapshot{} // one list of the store verifies every unchanged archive
+	snap := listedStore() // one list of the store verifies every unchanged archive
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
 	// Archives are imported side by side, then recorded in order; a reference two of them provide
 	// with the same image is pinned for the first by name, whichever creates it.
@@ -354,7 +354,7 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 	if idx != nil {
 		a.read[ar.Name()] = idx
 	}
-	rep, releases := a.load(ctx, &storeSnapshot{}, ar, idx, d, err)
+	rep, releases := a.load(ctx, lookupStore(), ar, idx, d, err)
 	a.replan()
 	a.release(ctx, releases)
 	return rep

@@ -214,17 +214,43 @@ func References(name string, dgst digest.Digest, extraRegistries []string) []str
 // verifying that every reference of the images dir is present, complete and pinned then costs two
 // calls to containerd, not one or more per reference (a warm restart of 10,000 references). It is
 // a moment's view: what changes after it is seen by the events Run follows, and by the next sync.
-// A sync or a restore makes a new one; archives imported side by side share it.
+// A sync makes one (listedStore), and archives imported side by side share it. A restore makes a
+// lookupStore instead: it asks for one archive's references, and a list of the whole store per
+// restored archive would make the disk-pressure path cost O(store) per archive.
 type storeSnapshot struct {
 	mu      sync.Mutex
+	lookup  bool                    // a Get per reference and an Info per blob, no list
 	images  map[string]images.Image // nil until the first image
 	content map[digest.Digest]bool  // nil until the first hasContent
 }
 
-// image is the reference ref as the snapshot lists it; the first call lists the image store.
+// listedStore is a sync's snapshot: each store listed once, when first asked.
+func listedStore() *storeSnapshot { return &storeSnapshot{} }
+
+// lookupStore is a restore's: each reference and blob asked for, and remembered.
+func lookupStore() *storeSnapshot {
+	return &storeSnapshot{lookup: true, images: map[string]images.Image{}, content: map[digest.Digest]bool{}}
+}
+
+// image is the reference ref as the snapshot has it; the first call of a listed snapshot lists
+// the image store.
 func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) (images.Image, bool, error) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
+	if snap.lookup {
+		if img, ok := snap.images[ref]; ok {
+			return img, true, nil
+		}
+		img, err := im.cd.Images.Get(ctx, ref)
+		if errdefs.IsNotFound(err) {
+			return images.Image{}, false, nil
+		}
+		if err != nil {
+			return images.Image{}, false, fmt.Errorf("image %s: %w", ref, err)
+		}
+		snap.images[ref] = img
+		return img, true, nil
+	}
 	if snap.images == nil {
 		listed, err := im.cd.Images.List(ctx)
 		if err != nil {
@@ -239,7 +265,7 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 	return img, ok, nil
 }
 
-// listed is name as the snapshot lists it, without listing the store when it has not yet.
+// listed is name as the snapshot has it, without asking containerd when it has not yet.
 func (snap *storeSnapshot) listed(name string) (images.Image, bool) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
@@ -247,10 +273,22 @@ func (snap *storeSnapshot) listed(name string) (images.Image, bool) {
 	return img, ok
 }
 
-// hasContent says whether containerd holds the blob d; the first call lists the content store.
+// hasContent says whether containerd holds the blob d; the first call of a listed snapshot lists
+// the content store.
 func (im *importer) hasContent(ctx context.Context, snap *storeSnapshot, d digest.Digest) (bool, error) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
+	if snap.lookup {
+		if has, ok := snap.content[d]; ok {
+			return has, nil
+		}
+		_, err := im.cd.Content.Info(ctx, d)
+		if err != nil && !errdefs.IsNotFound(err) {
+			return false, fmt.Errorf("content %s: %w", d, err)
+		}
+		snap.content[d] = err == nil
+		return err == nil, nil
+	}
 	if snap.content == nil {
 		all := map[digest.Digest]bool{}
 		if err := im.cd.Content.Walk(ctx, func(info content.Info) error {

@@ -6,8 +6,10 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/sirupsen/logrus"
@@ -27,6 +29,18 @@ func (c *callCounter) count(method string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.calls[method]++
+}
+
+func (c *callCounter) reset() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.calls = map[string]int{}
+}
+
+func (c *callCounter) snapshot() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.calls)
 }
 
 func (c *callCounter) dialOpts() []grpc.DialOption {
@@ -87,7 +101,7 @@ func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
 		if want := archives * 3 * 4; verified != want { // each tag and its repo@digest, also under mirror.example
 			t.Errorf("warm sync of %d archives verified %d references, want %d", archives, verified, want)
 		}
-		return counter.calls
+		return counter.snapshot()
 	}
 	few, many := warmCalls(2), warmCalls(12)
 	if !maps.Equal(few, many) {
@@ -120,4 +134,78 @@ func BenchmarkWarmSync(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// TestRestoreCallsDoNotGrowWithTheStore: bringing back a deleted reference asks containerd for
+// that archive's references, not for a list of the whole store. The restore is the disk-pressure
+// path: with 10,000 references, a list of the store per restored archive would cost each restore
+// what a whole warm restart costs. The calls of one restore are the same beside 2 archives as
+// beside 12.
+func TestRestoreCallsDoNotGrowWithTheStore(t *testing.T) {
+	n := newNode(t)
+	restoreCalls := func(archives int) map[string]int {
+		t.Helper()
+		dir := filepath.Join(t.TempDir(), "images")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		var all []string
+		for i := range archives {
+			var refs []string
+			for j := range 3 {
+				refs = append(refs, fmt.Sprintf("restore.example/n%d/a%02d-img%d:1.0", archives, i, j))
+			}
+			// OCI archives: containerd's import of a docker archive walks the content store (filtered,
+			// once per image) to find compressed layers, which would blur what this test counts.
+			writeArchive(t, dir, archiveCase{file: fmt.Sprintf("a%02d.tar", i), oci: true, refs: refs})
+			all = append(all, refs...)
+		}
+		counter := &callCounter{calls: map[string]int{}}
+		client, err := containerd.New(n.daemon.Address, containerd.WithExtraDialOpts(counter.dialOpts()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer client.Close()
+		cfg := images.Config{ImagesDir: dir, StateFile: filepath.Join(t.TempDir(), "state.json")}
+		agent := images.NewAgent(images.Services(client), cfg)
+		if err := agent.Sync(n.ctx).Err(); err != nil {
+			t.Fatalf("sync of %d archives: %v", archives, err)
+		}
+		ctx, cancel := context.WithCancel(n.ctx)
+		done := make(chan error, 1)
+		go func() {
+			done <- agent.Run(ctx, images.RunOptions{Restore: true, Synced: true, ReconcileInterval: time.Hour})
+		}()
+		defer func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		}()
+		time.Sleep(500 * time.Millisecond) // Run subscribed to containerd's events
+		victim := all[0]
+		counter.reset()
+		// As `ctr images rm`: one reference deleted, through a client the counter does not see.
+		if err := n.client.ImageService().Delete(n.ctx, victim); err != nil {
+			t.Fatal(err)
+		}
+		n.await(10*time.Second, victim+" restored", func() bool { return n.pinnedLabel(victim) })
+		time.Sleep(500 * time.Millisecond) // what the restore does after its last write
+		for _, ref := range all {
+			if !n.pinnedLabel(ref) {
+				t.Errorf("%s not pinned after the restore of %s", ref, victim)
+			}
+		}
+		return counter.snapshot()
+	}
+	few, many := restoreCalls(2), restoreCalls(12)
+	if !maps.Equal(few, many) {
+		t.Errorf("calls of one restore grow with the store:\n  beside 2 archives:  %v\n  beside 12 archives: %v", few, many)
+	}
+	for method, calls := range many {
+		if strings.HasSuffix(method, "/List") || strings.HasSuffix(method, "/ListStream") {
+			t.Errorf("a restore listed a store: %s called %d times", method, calls)
+		}
+	}
+	t.Logf("calls of one restore, beside 2 or 12 archives: %v", many)
 }
