@@ -10,6 +10,7 @@ import (
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/errdefs"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -107,7 +108,7 @@ func (p *Pinner) Put(ctx context.Context, img images.Image, source string, opts 
 	for _, opt := range opts {
 		opt(&o)
 	}
-	if l := o.listed; l != nil && l.Name == img.Name && l.Target.Digest == img.Target.Digest && OwnerOf(l.Labels) != NoPin {
+	if l := o.listed; l != nil && l.Name == img.Name && Settled(*l, img.Target) {
 		return resultOf(OwnerOf(l.Labels)), nil // what the write below would find, with no write
 	}
 	img.Labels = PinLabels(source)
@@ -145,6 +146,12 @@ func (p *Pinner) Put(ctx context.Context, img images.Image, source string, opts 
 		return res, nil
 	}
 	return 0, fmt.Errorf("put %s: reference kept disappearing", img.Name)
+}
+
+// Settled says whether listed, as a list of the store showed it, is already what Put would make
+// of it for target: the same target, pinned by anyone. Put with WithListed writes nothing then.
+func Settled(listed images.Image, target ocispec.Descriptor) bool {
+	return listed.Target.Digest == target.Digest && OwnerOf(listed.Labels) != NoPin
 }
 
 // Unpin removes our pin from the reference name. It refuses, with ErrNotOurs, to touch a pin we

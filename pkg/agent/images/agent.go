@@ -300,9 +300,9 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.release(ctx, releases)
 	// One list of the store serves the pins the plan still lacks (hand imports the policy names,
 	// a reference whose pin was stripped) and the kubelet's GC filter.
-	listed, err := a.cd.Images.List(ctx)
+	listed, err := a.storeAfterLoads(ctx, snap, report, releases)
 	if err != nil {
-		report.PolicyErr = fmt.Errorf("list images: %w", err)
+		report.PolicyErr = err
 	} else {
 		pinned, err := a.pinner.PinWanted(ctx, listed, a.plan.Source)
 		report.PolicyErr = err
@@ -346,6 +346,26 @@ func (a *Agent) setPlan() {
 			logrus.Warnf("conflict: %v; remove it from one archive, or rename them so the one you want sorts first", c)
 		}
 	}
+}
+
+// storeAfterLoads is the image store as the sync's loads and releases left it: the snapshot's
+// list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
+// one. A change by another writer since the snapshot is the events' to follow, as after any list.
+func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, report *SyncReport, releases []release) ([]images.Image, error) {
+	if listed, ok := snap.all(); ok && len(releases) == 0 && !slices.ContainsFunc(report.Archives, loadedOutsideSnapshot) {
+		return listed, nil
+	}
+	listed, err := a.cd.Images.List(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("list images: %w", err)
+	}
+	return listed, nil
+}
+
+// loadedOutsideSnapshot says whether rep's load may have written what the snapshot cannot know
+// of: an image list (pulled, and pinned without the snapshot) or a failed load.
+func loadedOutsideSnapshot(rep ArchiveReport) bool {
+	return rep.Format == airgap.ImageList || rep.Imported || rep.Err != nil
 }
 
 // syncArchive indexes and loads one archive (a restore), under the plan of the last sync.
@@ -463,6 +483,9 @@ func (a *Agent) record(ar airgap.Archive, idx *airgap.Index, contentDigest diges
 		} else if nd != d {
 			logrus.Infof("%s: %s updated from %s to %s", ar.Name(), ref, d, nd)
 		}
+	}
+	if len(gone) == 0 {
+		return nil
 	}
 	return []release{{source: ar.Name(), had: gone}}
 }

@@ -71,6 +71,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
 		targets, imported = indexed(all, idx), true
+		snap.wrote()
 		faultPoint("import") // content imported, no reference created yet
 	}
 	for _, img := range targets {
@@ -92,9 +93,18 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			}
 		}
 		for _, name := range names {
+			// As the snapshot has it (a restore's asks now: a Get, not a Create refused and a Get).
+			listed, ok, err := im.image(ctx, snap, name)
+			if err != nil {
+				refs = append(refs, RefResult{Ref: name, Err: err})
+				continue
+			}
 			var opts []pinning.PutOpt
-			if listed, ok := snap.listed(name); ok {
+			if ok {
 				opts = append(opts, pinning.WithListed(listed))
+			}
+			if !ok || !pinning.Settled(listed, img.Target) {
+				snap.wrote()
 			}
 			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source, opts...)
 			refs = append(refs, RefResult{Ref: name, Digest: img.Target.Digest.String(), Result: res, Err: err})
@@ -221,7 +231,16 @@ type storeSnapshot struct {
 	mu      sync.Mutex
 	lookup  bool                    // a Get per reference and an Info per blob, no list
 	images  map[string]images.Image // nil until the first image
+	list    []images.Image          // the image store as listed, in its order (listed mode)
 	content map[digest.Digest]bool  // nil until the first hasContent
+	written bool                    // a load wrote to the store after the snapshot was taken
+}
+
+// wrote records that the store no longer is what the snapshot says.
+func (snap *storeSnapshot) wrote() {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	snap.written = true
 }
 
 // listedStore is a sync's snapshot: each store listed once, when first asked.
@@ -260,17 +279,18 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 		for _, img := range listed {
 			snap.images[img.Name] = img
 		}
+		snap.list = listed
 	}
 	img, ok := snap.images[ref]
 	return img, ok, nil
 }
 
-// listed is name as the snapshot has it, without asking containerd when it has not yet.
-func (snap *storeSnapshot) listed(name string) (images.Image, bool) {
+// all is the image store as a listed snapshot listed it; false if it never listed the store or
+// a load wrote to it since.
+func (snap *storeSnapshot) all() ([]images.Image, bool) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
-	img, ok := snap.images[name]
-	return img, ok
+	return snap.list, !snap.lookup && snap.images != nil && !snap.written
 }
 
 // hasContent says whether containerd holds the blob d; the first call of a listed snapshot lists
