@@ -1,0 +1,118 @@
+package images_test
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/containerd/containerd/v2/core/content"
+	containerdimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/leases"
+	"github.com/containerd/platforms"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+)
+
+// tarOf is a tar stream of the named files, in order.
+func tarOf(t *testing.T, files ...[2]string) []byte {
+	t.Helper()
+	var b bytes.Buffer
+	tw := tar.NewWriter(&b)
+	for _, f := range files {
+		if err := tw.WriteHeader(&tar.Header{Name: f[0], Mode: 0o644, Size: int64(len(f[1])), Typeflag: tar.TypeReg}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tw.Write([]byte(f[1])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.Bytes()
+}
+
+// dockerSave writes a docker archive as `docker save` does: the layer as an uncompressed tar.
+func dockerSave(t *testing.T, path, ref string, layer []byte) {
+	t.Helper()
+	config, err := json.Marshal(ocispec.Image{
+		Platform: ocispec.Platform{OS: "linux", Architecture: platforms.DefaultSpec().Architecture},
+		RootFS:   ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(layer)}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	configName := digest.FromBytes(config).Encoded() + ".json"
+	manifest, err := json.Marshal([]map[string]any{{"Config": configName, "RepoTags": []string{ref}, "Layers": []string{"layer/layer.tar"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	archive := tarOf(t, [2]string{configName, string(config)}, [2]string{"layer/layer.tar", string(layer)}, [2]string{"manifest.json", string(manifest)})
+	if err := os.WriteFile(path, archive, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestImportUsesACompressedCopyOfALayer: a docker archive (uncompressed layers, as `docker save`
+// writes them) whose layer the store already holds compressed (a pull left it, labelled with its
+// uncompressed digest) is imported onto that compressed blob, as containerd's own import does.
+// The sync answers containerd's query for such blobs from its one walk of the content store.
+func TestImportUsesACompressedCopyOfALayer(t *testing.T) {
+	n := newNode(t)
+	pulled := tarOf(t, [2]string{"etc/pulled", "a layer the store holds compressed"})
+	fresh := tarOf(t, [2]string{"etc/fresh", "a layer only the archive has"})
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	if _, err := zw.Write(pulled); err != nil {
+		t.Fatal(err)
+	}
+	if err := zw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	compressed := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayerGzip, Digest: digest.FromBytes(gz.Bytes()), Size: int64(gz.Len())}
+	// A lease stands for the pulled image that refers to the blob: unreferenced, containerd's GC
+	// would collect it.
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.client.LeasesService().Delete(n.ctx, lease) })
+	if err := content.WriteBlob(leases.WithLease(n.ctx, lease.ID), n.client.ContentStore(), "pulled-layer", bytes.NewReader(gz.Bytes()), compressed,
+		content.WithLabels(map[string]string{"containerd.io/uncompressed": digest.FromBytes(pulled).String()})); err != nil {
+		t.Fatal(err)
+	}
+	dockerSave(t, filepath.Join(n.imagesDir, "pulled.tar"), "layers.example/pulled:1.0", pulled)
+	dockerSave(t, filepath.Join(n.imagesDir, "fresh.tar"), "layers.example/fresh:1.0", fresh)
+
+	if err := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir}).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	layerOf := func(ref string) ocispec.Descriptor {
+		t.Helper()
+		img, err := n.client.ImageService().Get(n.ctx, ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := containerdimages.Manifest(n.ctx, n.client.ContentStore(), img.Target, platforms.Default())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(m.Layers) != 1 {
+			t.Fatalf("%s: %d layers", ref, len(m.Layers))
+		}
+		return m.Layers[0]
+	}
+	if got := layerOf("layers.example/pulled:1.0"); got.Digest != compressed.Digest || !strings.HasSuffix(got.MediaType, "gzip") {
+		t.Errorf("the layer the store held compressed: imported as %s (%s), want the compressed blob %s (gzip)", got.Digest, got.MediaType, compressed.Digest)
+	}
+	if got := layerOf("layers.example/fresh:1.0"); got.Digest != digest.FromBytes(fresh) {
+		t.Errorf("the layer only the archive has: imported as %s, want the archive's %s", got.Digest, digest.FromBytes(fresh))
+	}
+}
