@@ -6,7 +6,7 @@
 //     --all-platforms` of the same archives (the same work: content and image records, no unpack;
 //     k3s does not unpack at import either), for the 1 GiB set and for 100 archives of 10 images;
 //  2. warm restart with unchanged archives vs that cold import; and at 1,000 and 10,000
-//     references, against 0.1 s per 1,000;
+//     references (best of three restarts, the first shown beside), against 0.1 s per 1,000;
 //  3. restore: CRI RemoveImage to the image back, vs `ctr images import` of its archive alone;
 //  4. the keep-decision inside the kubelet's real GC cycle over 5,000 and 50,000 images: with the
 //     filter vs without;
@@ -285,9 +285,16 @@ type refSet struct {
 	archives   []string
 	d          *containerdtest.Daemon
 	c          *containerd.Client
-	agent      *images.Agent // the warm one: its Keeper is the GC filter
-	cold, warm time.Duration
+	agent      *images.Agent // the last warm one: its Keeper is the GC filter
+	cold       time.Duration
+	warm       time.Duration // the best of warmRounds restarts
+	warmFirst  time.Duration // the first, right after the cold sync
 }
+
+// warmRounds is how many warm restarts a reference set takes: each a new agent on the state the
+// cold sync wrote, the same work; the best is the figure, as the cold rows take the best of their
+// rounds (the first one meets containerd still settling from the cold import).
+const warmRounds = 3
 
 func (b *bench) refSet(ctx context.Context, name string, refCount int) (*refSet, func(), error) {
 	return b.refSetOn(ctx, name, refCount, "")
@@ -330,18 +337,26 @@ func (b *bench) refSetOn(ctx context.Context, name string, refCount int, l strin
 	}
 	s.cold = time.Since(start)
 	fmt.Fprintf(b.log, "   cold sync of %d references: %s\n", len(s.refs), s.cold.Round(time.Millisecond))
-	s.agent = images.NewAgent(images.Services(c), images.Config{ImagesDir: s.dir, StateFile: s.state})
-	start = time.Now()
-	rep := s.agent.Sync(ctx)
-	s.warm = time.Since(start)
-	if err := rep.Err(); err != nil {
-		stop()
-		return nil, nil, err
-	}
-	for _, a := range rep.Archives {
-		if a.Imported {
+	for round := range warmRounds {
+		s.agent = images.NewAgent(images.Services(c), images.Config{ImagesDir: s.dir, StateFile: s.state})
+		start = time.Now()
+		rep := s.agent.Sync(ctx)
+		took := time.Since(start)
+		if err := rep.Err(); err != nil {
 			stop()
-			return nil, nil, fmt.Errorf("warm restart imported %s again", a.Archive.Name())
+			return nil, nil, err
+		}
+		for _, a := range rep.Archives {
+			if a.Imported {
+				stop()
+				return nil, nil, fmt.Errorf("warm restart imported %s again", a.Archive.Name())
+			}
+		}
+		if round == 0 {
+			s.warmFirst = took
+		}
+		if round == 0 || took < s.warm {
+			s.warm = took
 		}
 	}
 	return s, stop, nil
@@ -351,7 +366,7 @@ func (b *bench) refSetOn(ctx context.Context, name string, refCount int, l strin
 func (b *bench) warmRow(s *refSet) {
 	per1000 := s.warm * 1000 / time.Duration(len(s.refs))
 	b.add(Row{Figure: fmt.Sprintf("warm restart, %d references (%d archives), containerd %s", len(s.refs), len(s.archives), s.d.Bin.Version),
-		Value:    fmt.Sprintf("%s (%s per 1,000)", secs(s.warm), secs(per1000)),
+		Value:    fmt.Sprintf("%s (%s per 1,000; first %s)", secs(s.warm), secs(per1000), secs(s.warmFirst)),
 		Baseline: secs(s.cold) + " cold sync", Ratio: ratio(s.warm, s.cold),
 		Target: "<= 0.100 s per 1,000", Met: yes(per1000 <= 100*time.Millisecond)})
 }
