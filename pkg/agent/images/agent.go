@@ -300,7 +300,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.release(ctx, releases)
 	// One list of the store serves the pins the plan still lacks (hand imports the policy names,
 	// a reference whose pin was stripped) and the kubelet's GC filter.
-	listed, err := a.storeAfterLoads(ctx, snap, report, releases)
+	listed, err := a.storeAfterLoads(ctx, snap, releases)
 	if err != nil {
 		report.PolicyErr = err
 	} else {
@@ -351,8 +351,8 @@ func (a *Agent) setPlan() {
 // storeAfterLoads is the image store as the sync's loads and releases left it: the snapshot's
 // list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
 // one. A change by another writer since the snapshot is the events' to follow, as after any list.
-func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, report *SyncReport, releases []release) ([]images.Image, error) {
-	if listed, ok := snap.all(); ok && len(releases) == 0 && !slices.ContainsFunc(report.Archives, loadedOutsideSnapshot) {
+func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, releases []release) ([]images.Image, error) {
+	if listed, ok := snap.all(); ok && len(releases) == 0 {
 		return listed, nil
 	}
 	listed, err := a.cd.Images.List(ctx)
@@ -360,12 +360,6 @@ func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, report
 		return nil, fmt.Errorf("list images: %w", err)
 	}
 	return listed, nil
-}
-
-// loadedOutsideSnapshot says whether rep's load may have written what the snapshot cannot know
-// of: an image list (pulled, and pinned without the snapshot) or a failed load.
-func loadedOutsideSnapshot(rep ArchiveReport) bool {
-	return rep.Format == airgap.ImageList || rep.Imported || rep.Err != nil
 }
 
 // syncArchive indexes and loads one archive (a restore), under the plan of the last sync.

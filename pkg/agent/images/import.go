@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -51,6 +53,7 @@ type RefResult struct {
 // imported or pulled.
 func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnapshot, owner func(ref string) string) (refs []RefResult, imported bool, err error) {
 	if idx.Format == airgap.ImageList {
+		snap.wrote() // pulls and pins through the CRI, which the snapshot does not see
 		return im.pullList(ctx, idx)
 	}
 	targets, complete, err := im.presentTargets(ctx, idx, snap)
@@ -231,7 +234,6 @@ type storeSnapshot struct {
 	mu      sync.Mutex
 	lookup  bool                    // a Get per reference and an Info per blob, no list
 	images  map[string]images.Image // nil until the first image
-	list    []images.Image          // the image store as listed, in its order (listed mode)
 	content map[digest.Digest]bool  // nil until the content store is first walked
 	// compressed are the blobs labelled as the compression of a layer, by the layer's digest:
 	// what containerd's import of a docker archive looks for, collected in the same walk.
@@ -282,7 +284,6 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 		for _, img := range listed {
 			snap.images[img.Name] = img
 		}
-		snap.list = listed
 	}
 	img, ok := snap.images[ref]
 	return img, ok, nil
@@ -293,7 +294,10 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 func (snap *storeSnapshot) all() ([]images.Image, bool) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
-	return snap.list, !snap.lookup && snap.images != nil && !snap.written
+	if snap.lookup || snap.images == nil || snap.written {
+		return nil, false
+	}
+	return slices.Collect(maps.Values(snap.images)), true
 }
 
 // hasContent says whether containerd holds the blob d; the first call of a listed snapshot lists

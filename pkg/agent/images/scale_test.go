@@ -56,6 +56,26 @@ func (c *callCounter) dialOpts() []grpc.DialOption {
 	}
 }
 
+// scaleImagesDir is an images dir of archives archives of 3 images each, under registry; oci
+// says which are OCI archives (the others are docker archives). It returns the dir and every tag.
+func scaleImagesDir(t *testing.T, registry string, archives int, oci func(i int) bool) (string, []string) {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "images")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var all []string
+	for i := range archives {
+		var refs []string
+		for j := range 3 {
+			refs = append(refs, fmt.Sprintf("%s/n%d/a%02d-img%d:1.0", registry, archives, i, j))
+		}
+		writeArchive(t, dir, archiveCase{file: fmt.Sprintf("a%02d.tar", i), oci: oci(i), refs: refs})
+		all = append(all, refs...)
+	}
+	return dir, all
+}
+
 // TestWarmRestartCallsDoNotGrowWithReferences: a restart with unchanged archives verifies every
 // reference (present, its content there, pinned) from one list of the image store and one of the
 // content store. The calls it makes to containerd are the same for 2 archives as for 12: one call
@@ -64,17 +84,7 @@ func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
 	n := newNode(t)
 	warmCalls := func(archives int) map[string]int {
 		t.Helper()
-		dir := filepath.Join(t.TempDir(), "images")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		for i := range archives {
-			var refs []string
-			for j := range 3 {
-				refs = append(refs, fmt.Sprintf("scale.example/n%d/a%02d-img%d:1.0", archives, i, j))
-			}
-			writeArchive(t, dir, archiveCase{file: fmt.Sprintf("a%02d.tar", i), oci: i%2 == 1, refs: refs})
-		}
+		dir, _ := scaleImagesDir(t, "scale.example", archives, func(i int) bool { return i%2 == 1 })
 		cfg := images.Config{ImagesDir: dir, StateFile: filepath.Join(t.TempDir(), "state.json"), ExtraRegistries: []string{"mirror.example"}}
 		counter := &callCounter{calls: map[string]int{}}
 		client, err := containerd.New(n.daemon.Address, containerd.WithExtraDialOpts(counter.dialOpts()))
@@ -158,21 +168,9 @@ func TestRestoreCallsDoNotGrowWithTheStore(t *testing.T) {
 	n := newNode(t)
 	restoreCalls := func(archives int) map[string]int {
 		t.Helper()
-		dir := filepath.Join(t.TempDir(), "images")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		var all []string
-		for i := range archives {
-			var refs []string
-			for j := range 3 {
-				refs = append(refs, fmt.Sprintf("restore.example/n%d/a%02d-img%d:1.0", archives, i, j))
-			}
-			// OCI archives: containerd's import of a docker archive walks the content store (filtered,
-			// once per image) to find compressed layers, which would blur what this test counts.
-			writeArchive(t, dir, archiveCase{file: fmt.Sprintf("a%02d.tar", i), oci: true, refs: refs})
-			all = append(all, refs...)
-		}
+		// OCI archives: containerd's import of a docker archive walks the content store (filtered,
+		// once per image) to find compressed layers, which would blur what this test counts.
+		dir, all := scaleImagesDir(t, "restore.example", archives, func(int) bool { return true })
 		counter := &callCounter{calls: map[string]int{}}
 		client, err := containerd.New(n.daemon.Address, containerd.WithExtraDialOpts(counter.dialOpts()))
 		if err != nil {
