@@ -63,7 +63,7 @@ fuzz:
 ## unit: tests that need no root and no daemon (the planner, the archive reader, the policy, the
 ## agent on containerd's own metadata store)
 unit:
-	$(GO) test -count=1 -run 'Policy|Misspelled|Read|Scan|Plan|KeeperIsThePlan|OnContainerdsStore|RunCallsAfterSync|Dependencies|K3sFlags|LockExcludes' ./pkg/... ./internal/...
+	$(GO) test -count=1 -run 'Policy|Misspelled|Read|Scan|Plan|Condition|KeeperIsThePlan|OnContainerdsStore|RunCallsAfterSync|Dependencies|K3sFlags|LockExcludes' ./pkg/... ./internal/...
 
 ## release: into dist/ (not committed): static binaries (linux amd64, arm64, arm v7) with their
 ## version, .deb and .rpm (nfpm), the image archive for agent/images, the DaemonSet manifest,

@@ -42,7 +42,7 @@ done
 rm dist/.k3s-pinning.service.usr-bin dist/.nfpm.yaml
 go run ./build/release-image -ref "$image" -version "$version" -out dist/k3s-pinning-image.tar "${images[@]}"
 sed "s#__IMAGE__#$image#" deploy/k3s-pinning.yaml > dist/k3s-pinning.yaml
-cp deploy/install.sh deploy/k3s-pinning.service deploy/k3s-pinning.default dist/
+cp deploy/install.sh deploy/k3s-pinning.service deploy/k3s-pinning.default deploy/k3s-pinning-workloads.yaml dist/
 (cd dist && sha256sum -- * > sha256sum.txt)
 echo "== make release $version: dist/"
 (cd dist && ls -l --time-style=+ | awk 'NR > 1 { printf "%12d  %s\n", $5, $NF }')

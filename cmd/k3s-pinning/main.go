@@ -26,6 +26,7 @@ import (
 	"github.com/urfave/cli/v2"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -46,6 +47,10 @@ type options struct {
 	policy                                   images.PolicyValues
 	output, metricsAddress                   string
 	run                                      images.RunOptions
+	// the cluster view: where Events and the node condition go (run), what status --cluster reads
+	kubeconfig, nodeName string
+	cluster              bool
+	reporter             images.Reporter
 }
 
 // commonFlags are accepted by every subcommand after its own name.
@@ -105,8 +110,20 @@ func newApp(stdout io.Writer) *cli.App {
 					&cli.DurationFlag{Name: "reconcile-interval", Value: images.DefaultReconcileInterval, Usage: "period of the full reconcile behind the events", Destination: &o.run.ReconcileInterval},
 					&cli.BoolFlag{Name: "restore", Value: true, Usage: "re-import a wanted image that was deleted, from its archive", Destination: &o.run.Restore},
 					&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus /metrics here (a bare :port listens on 127.0.0.1)", Destination: &o.metricsAddress},
+					&cli.StringFlag{Name: "kubeconfig", EnvVars: []string{"K3S_PINNING_KUBECONFIG"}, Usage: "report Events and the " + string(cluster.ConditionType) + " condition on this node's Node object with this kubeconfig (its user may create events and patch nodes/status)", Destination: &o.kubeconfig},
+					&cli.StringFlag{Name: "node-name", EnvVars: []string{"NODE_NAME"}, Usage: "the Node to report on (default: the host name in lower case, as k3s)", Destination: &o.nodeName},
 				),
 				Action: func(c *cli.Context) error {
+					reporter, err := reporterFor(o)
+					if err != nil {
+						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
+					}
+					if o.policy.PinnedWorkloadImages && reporter == nil {
+						return cli.Exit("run: --"+images.FlagPinnedWorkloadImages+" reads the cluster's workloads: give --kubeconfig", exitUsage)
+					}
+					if reporter != nil {
+						o.reporter = reporter
+					}
 					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
 						ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 						defer stop()
@@ -129,6 +146,12 @@ func newApp(stdout io.Writer) *cli.App {
 						// with 35 MiB of heap in use). A forced collection after each sync (at
 						// start, every reconcile interval, on resync) returns them now.
 						o.run.AfterSync = debug.FreeOSMemory
+						if reporter != nil {
+							g.Go(func() error { reporter.Run(ctx); return nil })
+						}
+						if o.policy.PinnedWorkloadImages {
+							g.Go(func() error { reporter.WatchWorkloads(ctx, a.SetWorkloadImages); return nil })
+						}
 						g.Go(func() error { return a.Run(ctx, o.run) })
 						return g.Wait()
 					})
@@ -137,10 +160,15 @@ func newApp(stdout io.Writer) *cli.App {
 			{
 				Name:  "status",
 				Usage: "one row per reference: ref, digest, source, pinned, wanted, present",
-				Flags: append(commonFlags(o), &cli.StringFlag{Name: "output", Aliases: []string{"o"}, Value: "table", Usage: "table or json", Destination: &o.output}),
+				Flags: append(commonFlags(o), &cli.StringFlag{Name: "output", Aliases: []string{"o"}, Value: "table", Usage: "table or json", Destination: &o.output},
+					&cli.BoolFlag{Name: "cluster", Usage: "one row per node of the cluster, from the " + string(cluster.ConditionType) + " condition k3s-pinning keeps on it; exit 1 when any node is not protected", Destination: &o.cluster},
+					&cli.StringFlag{Name: "kubeconfig", Usage: "with --cluster: the kubeconfig (default $KUBECONFIG, else " + cluster.DefaultKubeconfig + ")", Destination: &o.kubeconfig}),
 				Action: func(c *cli.Context) error {
 					if o.output != "table" && o.output != "json" {
 						return cli.Exit(fmt.Sprintf("--output %q: must be table or json", o.output), exitUsage)
+					}
+					if o.cluster {
+						return statusCluster(c.Context, stdout, o)
 					}
 					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
 						snap, err := a.Inspect(ctx)
@@ -252,7 +280,7 @@ func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agen
 	if _, err := client.Version(vctx); err != nil {
 		return cli.Exit(fmt.Sprintf("containerd at %s does not answer: %v", o.address, err), exitUsage)
 	}
-	agent := images.NewAgent(images.Services(client), images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile})
+	agent := images.NewAgent(images.Services(client), images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile, Reporter: o.reporter})
 	return fn(ctx, agent)
 }
 

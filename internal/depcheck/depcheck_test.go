@@ -15,3 +15,11 @@ func TestDependencies(t *testing.T) {
 			[]string{"github.com/sirupsen/logrus", "github.com/containerd/log"})
 	}
 }
+
+// The agent reports to the cluster through its Reporter interface only: the Kubernetes client
+// lives in pkg/agent/cluster, so that the agent (and a k3s that imports it) does not take it
+// from there, and the agent's tests need no API server.
+func TestAgentHasNoKubernetesClient(t *testing.T) {
+	Forbid(t, "github.com/k3s-pinning/k3s-pinning/pkg/agent/images",
+		[]string{"k8s.io/client-go", "k8s.io/api", "k8s.io/apimachinery"}, nil)
+}

@@ -24,6 +24,9 @@ const (
 	SourcePolicy = "policy"
 	// SourceManual is the source of pins set by `k3s-pinning pin`.
 	SourceManual = "manual"
+	// SourceWorkload is the source of pins set because a workload of the cluster references the
+	// image (--pinned-workload-images).
+	SourceWorkload = "workload"
 
 	// DefaultNamespace is the containerd namespace the CRI plugin (and so the kubelet) uses.
 	DefaultNamespace = "k8s.io"

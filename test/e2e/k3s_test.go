@@ -52,17 +52,23 @@ const (
 	handCLIRef    = "registry.example/hand/cli:1.0"
 	handConfigRef = "registry.example/hand/config:1.0"
 	handEnvRef    = "registry.example/hand/env:1.0"
+	// workloadRef is imported by hand and named by nothing but a Deployment scaled to 0
+	// (--pinned-workload-images).
+	workloadRef = "registry.example/hand/workload:1.0"
+	parkedName  = "parked"
 
 	k3sNodeName = "k3s-e2e"
 	k3sAppName  = "airgap-app"
-	// k3sImagefsSize holds the images (about 160 MiB with snapshots) and the pressure file; the
-	// kubelet's imagefs.available threshold is evictionThreshold, as on the e2e node.
-	k3sImagefsSize = 480 << 20
+	// k3sImagefsSize holds the images (the air-gap ones and five 32 MiB hand imports, with their
+	// snapshots) and the pressure file; the kubelet's imagefs.available threshold is
+	// evictionThreshold, as on the e2e node. At 480 MiB the fifth hand import alone crossed the
+	// threshold: the kubelet reclaimed before the test's own pressure.
+	k3sImagefsSize = 576 << 20
 )
 
 var (
 	k3sAirgapRefs = []string{k3sPauseRef, k3sAppRef, k3sToolRef}
-	k3sHandRefs   = []string{unwantedRef, handCLIRef, handConfigRef, handEnvRef}
+	k3sHandRefs   = []string{unwantedRef, handCLIRef, handConfigRef, handEnvRef, workloadRef}
 )
 
 // k3sBinDir is make k3s's bin dir (k3s, its multicall links, the containerd shim).
@@ -88,6 +94,8 @@ type k3sNode struct {
 	hand      []string // hand-import archives, in k3sHandRefs' order
 	cmd       *exec.Cmd
 	starts    int
+	builtCLI  bool     // k3sPinning built the command this run
+	logs      []string // the log of each start
 	// seenUnpinned lists the air-gap images containerd's events showed without the CRI pin.
 	mu           sync.Mutex
 	seenUnpinned []string
@@ -224,11 +232,16 @@ func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string)
 	n.t.Helper()
 	n.starts++
 	n.log = filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts))
+	n.logs = append(n.logs, n.log)
 	logFile, err := os.Create(n.log)
 	if err != nil {
 		n.t.Fatal(err)
 	}
 	cmd := exec.Command(filepath.Join(n.bin, "k3s"), append(n.k3sServerArgs(), extra...)...)
+	if n.pinning {
+		// Every start with pinning keeps the images of the cluster's workloads too.
+		env = append([]string{"K3S_PINNED_WORKLOAD_IMAGES=true"}, env...)
+	}
 	cmd.Env = append(os.Environ(), append([]string{"PATH=" + n.bin + ":" + os.Getenv("PATH")}, env...)...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -288,6 +301,16 @@ func (n *k3sNode) cleanup(created []string) {
 	n.stopPods()
 	if n.t.Failed() && n.log != "" {
 		n.t.Logf("k3s log (%s), last lines:\n%s", n.log, lastLines(n.log, 60))
+		for _, log := range n.logs {
+			data, _ := os.ReadFile(log)
+			var ours []string // k3s's logrus lines, where k3s-pinning's are (not the kubelet's klog ones)
+			for _, line := range strings.Split(string(data), "\n") {
+				if strings.HasPrefix(line, "time=") && !strings.Contains(line, "msg=\"Running ") {
+					ours = append(ours, line)
+				}
+			}
+			n.t.Logf("the logrus lines of %s (k3s-pinning's among them):\n%s", log, tail(strings.Join(ours, "\n"), 120))
+		}
 	}
 	if n.cmd != nil {
 		containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
@@ -494,6 +517,10 @@ type k3sReport struct {
 	policy              map[string]bool // pinned: the hand import named each way
 	doctorExit          int
 	reclaimDuration     time.Duration
+	// the cluster view (pinning mode; stock k3s: status --cluster only)
+	restoredEvent, lostEvent, lostCondition string
+	workloadDenied                          string // the Event, or NONE
+	clusterExit                             []int  // status --cluster: protected, after a loss, back
 }
 
 func yesNo(b bool, yes, no string) string {
@@ -522,14 +549,19 @@ func printK3sTable(with, stock *k3sReport) {
 	row("14265 app pods a minute after the restart", with.appAfterRestart, stock.appAfterRestart)
 	row("10209 pressure to the unwanted image reclaimed", with.reclaimDuration.Round(100*time.Millisecond).String(), stock.reclaimDuration.Round(100*time.Millisecond).String())
 	row("10209 app pod evicted under disk pressure", yesNo(with.evicted, "evicted", "not evicted"), yesNo(stock.evicted, "evicted", "not evicted"))
-	for _, ref := range append(slices.Clone(k3sAirgapRefs), unwantedRef) {
+	for _, ref := range append(slices.Clone(k3sAirgapRefs), unwantedRef, workloadRef) {
 		row("10209 present after the kubelet's reclaim: "+ref, yesNo(with.afterPressure[ref], "present", "DELETED"), yesNo(stock.afterPressure[ref], "present", "DELETED"))
 	}
+	row("--pinned-workload-images without its ClusterRole", yesNo(with.workloadDenied != "", "WorkloadAccessDenied", "NONE"), "-")
 	row("10209 app pods after the pressure", with.appAfter, stock.appAfter)
 	for _, way := range []string{"command line", "config.yaml", "K3S_PINNED_IMAGES"} {
 		row("hand import named by --pinned-images ("+way+")", yesNo(with.policy[way], "pinned", "UNPINNED"), "-")
 	}
 	row("k3s-pinning doctor exit code", fmt.Sprint(with.doctorExit), "-")
+	row("Node event after the pause image's restore", yesNo(with.restoredEvent != "", "ImageRestored", "NONE"), "-")
+	row("Node event after a hand import's loss", yesNo(with.lostEvent != "", "ImageLost", "NONE"), "-")
+	row("node condition after the loss", strings.SplitN(with.lostCondition, ":", 2)[0], "-")
+	row("status --cluster exit: protected, lost, back", fmt.Sprint(with.clusterExit), fmt.Sprint(stock.clusterExit))
 	fmt.Fprint(os.Stdout, b.String())
 }
 
@@ -578,7 +610,7 @@ func (n *k3sNode) pressureEvictReclaim(r *k3sReport) {
 		}
 	}
 	time.Sleep(15 * time.Second) // the reclaim after the eviction (the app's image is unused then)
-	r.afterPressure = n.present(append(slices.Clone(k3sAirgapRefs), unwantedRef)...)
+	r.afterPressure = n.present(append(slices.Clone(k3sAirgapRefs), unwantedRef, workloadRef)...)
 	if err := os.Remove(release); err != nil {
 		n.t.Fatal(err)
 	}
@@ -641,6 +673,7 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 	}
 	n.deployApp()
 	n.await(3*time.Minute, "the app's pod Running", n.appRunning)
+	n.parkWorkload(r)
 	r.afterStart = n.pins(append(slices.Clone(k3sAirgapRefs), k3sHandRefs...)...)
 	if withPinning {
 		for _, ref := range k3sAirgapRefs {
@@ -656,6 +689,12 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 	n.rmiPause(r)
 	if withPinning && !strings.HasPrefix(r.rmiBack, "back in") {
 		t.Errorf("2961: the pause image is %s after crictl rmi", r.rmiBack)
+	}
+	if withPinning {
+		// The restore as an Event on the Node, before the restart below: events still queued in a
+		// process that stops are lost (the kubelet's too).
+		n.await(time.Minute, "an ImageRestored event on the Node naming the pause image", func() bool { return n.nodeEvent("ImageRestored", k3sPauseRef) != "" })
+		r.restoredEvent = n.nodeEvent("ImageRestored", k3sPauseRef)
 	}
 
 	// k3s 14265: restart with .cache.json. With pinning, this start names the hand import in
@@ -725,6 +764,22 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 	if r.afterPressure[unwantedRef] {
 		t.Errorf("the unwanted hand import survived: the kubelet's reclaim did not run")
 	}
+	if withPinning && !r.afterPressure[workloadRef] {
+		t.Errorf("--pinned-workload-images: %s, the image of a Deployment scaled to 0, deleted under pressure", workloadRef)
+	}
+	if !withPinning && r.afterPressure[workloadRef] {
+		t.Errorf("without --pinned-workload-images, %s (unused: its Deployment is scaled to 0) survived the reclaim", workloadRef)
+	}
+	if withPinning {
+		n.clusterView(r, handEnvRef)
+	} else {
+		// No k3s-pinning: no condition on the node, and status --cluster says so.
+		out, code := n.statusCluster()
+		r.clusterExit = []int{code}
+		if code != 1 || !strings.Contains(out, "NoReport") {
+			t.Errorf("status --cluster without k3s-pinning: exit %d, want 1 with NoReport\n%s", code, out)
+		}
+	}
 
 }
 
@@ -741,35 +796,157 @@ func grepLines(s, substr string) string {
 
 // doctor runs k3s-pinning doctor against the node (its containerd, images dir and state file,
 // and the policy k3s was started with), and returns its exit code.
-func (n *k3sNode) doctor(pinned string) int {
+// k3sPinning runs the k3s-pinning command (built once into the user cache) and returns its
+// output and exit code.
+func (n *k3sNode) k3sPinning(args ...string) (string, int) {
+	n.t.Helper()
+	out, err := exec.Command(n.k3sPinningBin(), args...).CombinedOutput()
+	var exit *exec.ExitError
+	if errors.As(err, &exit) {
+		return string(out), exit.ExitCode()
+	}
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return string(out), 0
+}
+
+// k3sPinningBin is the k3s-pinning command, built once per node into the user cache.
+func (n *k3sNode) k3sPinningBin() string {
 	n.t.Helper()
 	cache, err := os.UserCacheDir()
 	if err != nil {
 		n.t.Fatal(err)
 	}
 	bin := filepath.Join(cache, "k3s-pinning", "e2e", "k3s-pinning")
-	root, err := containerdtest.ModuleRoot()
-	if err != nil {
-		n.t.Fatal(err)
+	if !n.builtCLI {
+		root, err := containerdtest.ModuleRoot()
+		if err != nil {
+			n.t.Fatal(err)
+		}
+		build := exec.Command("go", "build", "-o", bin, "./cmd/k3s-pinning")
+		build.Dir = root
+		build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+		if out, err := build.CombinedOutput(); err != nil {
+			n.t.Fatalf("go build ./cmd/k3s-pinning: %v\n%s", err, out)
+		}
+		n.builtCLI = true
 	}
-	build := exec.Command("go", "build", "-o", bin, "./cmd/k3s-pinning")
-	build.Dir = root
-	build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
-	if out, err := build.CombinedOutput(); err != nil {
-		n.t.Fatalf("go build ./cmd/k3s-pinning: %v\n%s", err, out)
-	}
-	cmd := exec.Command(bin, "doctor", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
+	return bin
+}
+
+func (n *k3sNode) doctor(pinned string) int {
+	n.t.Helper()
+	out, code := n.k3sPinning("doctor", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
 		"--state-file", filepath.Join(n.data, "agent", "k3s-pinning", "state.json"), "--pinned-images", pinned)
-	out, err := cmd.CombinedOutput()
 	n.t.Logf("k3s-pinning doctor:\n%s", out)
-	var exit *exec.ExitError
-	if errors.As(err, &exit) {
-		return exit.ExitCode()
+	return code
+}
+
+// parkWorkload runs a Deployment scaled to 0 whose image was imported by hand and is named by
+// nothing else. With pinning (and --pinned-workload-images, on every start here), the agent's
+// kubelet credentials first may not read the workloads: a WorkloadAccessDenied Event says what is
+// missing while the node-local protection goes on; once deploy/k3s-pinning-workloads.yaml binds
+// its ClusterRole to the nodes, the image is pinned for its workload.
+func (n *k3sNode) parkWorkload(r *k3sReport) {
+	n.t.Helper()
+	if n.pinning {
+		n.await(time.Minute, "a WorkloadAccessDenied event on the Node", func() bool { return n.nodeEvent("WorkloadAccessDenied", "ClusterRole") != "" })
+		r.workloadDenied = n.nodeEvent("WorkloadAccessDenied", "ClusterRole")
+		n.t.Logf("without the ClusterRole: %s", r.workloadDenied)
+		if !strings.Contains(r.workloadDenied, "list deployments.apps") {
+			n.t.Errorf("the denial does not name what is missing: %s", r.workloadDenied)
+		}
+		if !n.criPinned(handCLIRef) || !n.criPinned(k3sAppRef) {
+			n.t.Errorf("the node-local protection stopped while the workloads could not be read")
+		}
+		n.mustKubectl("apply", "-f", filepath.Join(repoRoot(n.t), "deploy", "k3s-pinning-workloads.yaml"))
 	}
+	manifest := fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata: {name: %[1]s, namespace: default}
+spec:
+  replicas: 0
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+      containers:
+      - {name: parked, image: %[2]s, imagePullPolicy: Never}
+`, parkedName, workloadRef)
+	path := filepath.Join(n.dir, "parked.yaml")
+	n.writeFile(path, manifest)
+	n.mustKubectl("apply", "-f", path)
+	if n.pinning {
+		n.await(2*time.Minute, workloadRef+" pinned for the Deployment scaled to 0", func() bool { return n.criPinned(workloadRef) })
+	}
+}
+
+// statusCluster is `k3s-pinning status --cluster` with the node's kubeconfig.
+func (n *k3sNode) statusCluster() (string, int) {
+	n.t.Helper()
+	return n.k3sPinning("status", "--cluster", "--kubeconfig", filepath.Join(n.dir, "kubeconfig"))
+}
+
+// condition is the node's AirgapImagesProtected condition as "status reason: message", or "".
+func (n *k3sNode) condition() string {
+	out, err := n.kubectl("get", "node", k3sNodeName, "-o", `jsonpath={range .status.conditions[?(@.type=="AirgapImagesProtected")]}{.status} {.reason}: {.message}{end}`)
 	if err != nil {
-		n.t.Fatal(err)
+		return ""
 	}
-	return 0
+	return strings.TrimSpace(out)
+}
+
+// nodeEvent is the message of the node's first event with reason whose message names what, or "".
+func (n *k3sNode) nodeEvent(reason, what string) string {
+	out, err := n.kubectl("get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+k3sNodeName+",reason="+reason,
+		"-o", `jsonpath={range .items[*]}{.type} {.source.component}: {.message}{"\n"}{end}`)
+	if err != nil {
+		return ""
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.Contains(line, what) {
+			return line
+		}
+	}
+	return ""
+}
+
+// clusterView checks what an operator sees through the API server: the node condition and
+// status --cluster; then a loss (a hand import the
+// policy keeps, deleted by hand: nothing can restore it) flips both, and importing it again
+// flips them back.
+func (n *k3sNode) clusterView(r *k3sReport, lost string) {
+	n.t.Helper()
+	n.await(time.Minute, "the node condition AirgapImagesProtected True", func() bool { return strings.HasPrefix(n.condition(), "True ") })
+	out, code := n.statusCluster()
+	n.t.Logf("k3s-pinning status --cluster (exit %d):\n%s", code, out)
+	r.clusterExit = []int{code}
+	if code != 0 || !strings.Contains(out, k3sNodeName) {
+		n.t.Errorf("status --cluster on a protected node: exit %d\n%s", code, out)
+	}
+
+	n.k3sTool("ctr", "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "rm", lost)
+	n.await(time.Minute, "an ImageLost event on the Node naming "+lost, func() bool { return n.nodeEvent("ImageLost", lost) != "" })
+	r.lostEvent = n.nodeEvent("ImageLost", lost)
+	n.await(time.Minute, "the node condition False, ImagesLost", func() bool { return strings.HasPrefix(n.condition(), "False ImagesLost") })
+	r.lostCondition = n.condition()
+	out, code = n.statusCluster()
+	n.t.Logf("k3s-pinning status --cluster after the loss (exit %d):\n%s", code, out)
+	r.clusterExit = append(r.clusterExit, code)
+	if code != 1 || !strings.Contains(out, "ImagesLost") || !strings.Contains(out, lost) {
+		n.t.Errorf("status --cluster after a loss: exit %d, want 1 naming ImagesLost and %s\n%s", code, lost, out)
+	}
+	events, _ := n.kubectl("get", "events", "--field-selector", "involvedObject.kind=Node,source="+"k3s-pinning")
+	n.t.Logf("kubectl get events --field-selector involvedObject.kind=Node,source=k3s-pinning:\n%s", events)
+
+	n.handImport()
+	n.await(time.Minute, "the node condition True again once the image is imported again", func() bool { return strings.HasPrefix(n.condition(), "True ") })
+	_, code = n.statusCluster()
+	r.clusterExit = append(r.clusterExit, code)
+	if code != 0 {
+		n.t.Errorf("status --cluster once the image is back: exit %d, want 0", code)
+	}
 }
 
 // TestK3sWrapperAcceptsTheFlags: the outer k3s wrapper (cmd/k3s, what a release ships as k3s)
@@ -823,5 +1000,71 @@ func TestK3sBadFlagValueStops(t *testing.T) {
 			t.Errorf("k3s server --pinned-images %q (pinning %t): the error does not name the flag:\n%s", c.value, c.pinning, tail(string(out), 5))
 		}
 		t.Logf("pinning %t, --pinned-images %q: %s", c.pinning, c.value, tail(grepLines(string(out), "--pinned-images"), 1))
+	}
+}
+
+// TestK3sStockNodeWithDaemon: the stock-node path of the cluster view. `k3s-pinning run` beside a
+// k3s that does not have it built in (--disable-image-pinning), with the node's admin kubeconfig:
+// it writes the node condition, status --cluster reads it, and --pinned-workload-images pins the
+// hand-imported image of a Deployment scaled to 0.
+func TestK3sStockNodeWithDaemon(t *testing.T) {
+	bin := k3sBinDir(t)
+	n := newK3sNode(t, bin, false)
+	n.start(nil)
+	n.handImport()
+	n.parkWorkload(&k3sReport{})
+	out, code := n.statusCluster()
+	if code != 1 || !strings.Contains(out, "NoReport") {
+		t.Errorf("status --cluster before k3s-pinning runs: exit %d, want 1 with NoReport\n%s", code, out)
+	}
+	logPath := filepath.Join(n.dir, "daemon.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	daemon := exec.Command(n.k3sPinningBin(), "run", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
+		"--state-file", filepath.Join(n.dir, "daemon-state", "state.json"), "--kubeconfig", filepath.Join(n.dir, "kubeconfig"),
+		"--node-name", k3sNodeName, "--pinned-workload-images")
+	daemon.Stdout, daemon.Stderr = logFile, logFile
+	daemon.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- daemon.Wait(); logFile.Close() }()
+	stopped := false
+	t.Cleanup(func() {
+		if !stopped {
+			daemon.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			data, _ := os.ReadFile(logPath)
+			t.Logf("k3s-pinning run's log:\n%s", tail(string(data), 40))
+		}
+	})
+	n.await(time.Minute, "the node condition AirgapImagesProtected True from k3s-pinning run", func() bool { return strings.HasPrefix(n.condition(), "True ") })
+	n.await(time.Minute, workloadRef+" pinned for the Deployment scaled to 0", func() bool { return n.criPinned(workloadRef) })
+	for _, ref := range k3sAirgapRefs {
+		if !n.criPinned(ref) {
+			t.Errorf("%s not pinned by k3s-pinning run", ref)
+		}
+	}
+	out, code = n.statusCluster()
+	t.Logf("k3s-pinning status --cluster, k3s-pinning run beside stock k3s (exit %d):\n%s", code, out)
+	if code != 0 {
+		t.Errorf("status --cluster with k3s-pinning run: exit %d, want 0", code)
+	}
+	daemon.Process.Signal(syscall.SIGTERM)
+	stopped = true
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Errorf("k3s-pinning run after SIGTERM: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		daemon.Process.Kill()
+		<-exited
+		t.Errorf("k3s-pinning run did not stop within 30 s of SIGTERM")
 	}
 }

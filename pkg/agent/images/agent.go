@@ -21,6 +21,7 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/errdefs"
+	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
@@ -74,6 +75,9 @@ type Config struct {
 	// StateFile keeps what each archive provided across restarts (DefaultStateFile for the
 	// daemon). Empty: the state lives in memory only, and each process starts by re-indexing.
 	StateFile string
+	// Reporter, when set, is told the agent's events and the node's protection (the cluster
+	// package: Events and a condition on the Node).
+	Reporter Reporter
 }
 
 // Agent keeps the images of the images dir, and those the policy names, present and pinned. Its
@@ -94,6 +98,10 @@ type Agent struct {
 	read    map[string]*airgap.Index
 	plan    *Plan
 	listed  bool // plan was resolved against a containerd list (adoptK3sPins needs that)
+	track   tracker
+	// workloads are the references the cluster's workloads name, normalized; nil: not known.
+	workloads map[string]bool
+	resync    chan struct{} // a full sync requested (the images dir, containerd, the workloads)
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -106,6 +114,8 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 		state:    loadState(cfg.StateFile),
 		keeper:   &Keeper{},
 		metrics:  newMetrics(),
+		track:    tracker{missing: map[string]bool{}, lost: map[string]bool{}},
+		resync:   make(chan struct{}, 1),
 	}
 	// Before the first reconcile, every archive recorded is taken as present, so that a kubelet
 	// starting beside the agent never sees a gap.
@@ -153,7 +163,35 @@ func (a *Agent) saveState() {
 
 // newPlan is the keep-decision for the archives present, with the indexes read from them.
 func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *Plan {
-	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries})
+	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads})
+}
+
+// requestSync asks Run for a full sync; requests made while one is pending are one.
+func (a *Agent) requestSync() {
+	select {
+	case a.resync <- struct{}{}:
+	default:
+	}
+}
+
+// SetWorkloadImages sets the images the cluster's workloads reference (--pinned-workload-images:
+// pod templates of Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, and Pods),
+// as their specs write them, and has Run sync: those present are pinned, and pins set for a
+// workload no longer there are released. Until it is first called, workload pins are kept as
+// they are. A reference that does not parse is skipped.
+func (a *Agent) SetWorkloadImages(refs []string) {
+	set := make(map[string]bool, len(refs))
+	for _, r := range refs {
+		if named, err := reference.ParseDockerRef(r); err == nil {
+			set[named.String()] = true
+		}
+	}
+	a.mu.Lock()
+	a.workloads = set
+	a.replan()
+	a.mu.Unlock()
+	logrus.Infof("the cluster's workloads name %d image reference(s): reconciling", len(set))
+	a.requestSync()
 }
 
 // replan makes the plan again from the last survey and the state, after the state changed.
@@ -305,7 +343,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 		report.PolicyErr = err
 	} else {
 		pinned, err := a.pinner.PinWanted(ctx, listed, a.plan.Source)
-		report.PolicyErr = err
+		report.PolicyErr = errors.Join(err, a.releaseWorkloadPins(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
 			if pinned[ref] == pinning.SourcePolicy {
 				report.PolicyPinned = append(report.PolicyPinned, ref)
@@ -316,20 +354,50 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 		}
 		a.keeper.publish(a.plan, listed)
 		a.listed = true
+		a.trackListed(listed)
 	}
 	if report.PolicyErr != nil {
 		logrus.Errorf("policy: %v; the kubelet's GC filter keeps answering from the last reconcile", report.PolicyErr)
 	}
 	a.metrics.observeReferences(report)
 	a.state.Agent.LastReconcile = time.Now()
+	before := a.state.Agent.ArchiveErrors
 	a.state.Agent.ArchiveErrors = map[string]string{}
 	for _, ar := range report.Archives {
 		if ar.Err != nil {
-			a.state.Agent.ArchiveErrors[ar.Archive.Name()] = ar.Err.Error()
+			name, msg := ar.Archive.Name(), ar.Err.Error()
+			a.state.Agent.ArchiveErrors[name] = msg
+			if before[name] != msg { // each failure once, not at every reconcile
+				a.event(true, ReasonArchiveLoadFailed, "%s in %s: %s", name, a.cfg.ImagesDir, msg)
+			}
 		}
 	}
 	a.saveState()
+	a.reportProtection()
 	return report
+}
+
+// releaseWorkloadPins removes the pins set for workloads that no longer reference the image,
+// once the workloads are known and nothing else wants it.
+func (a *Agent) releaseWorkloadPins(ctx context.Context, listed []images.Image) error {
+	if a.workloads == nil {
+		return nil
+	}
+	var errs []error
+	for _, img := range listed {
+		if src, ours := pinning.OwnPin(img.Labels); !ours || src != pinning.SourceWorkload {
+			continue
+		}
+		if _, wanted := a.plan.Source(img); wanted {
+			continue
+		}
+		if released, err := a.pinner.Release(ctx, img.Name, pinning.SourceWorkload, ""); err != nil {
+			errs = append(errs, err)
+		} else if released {
+			logrus.Infof("unpinned %s: no workload of the cluster references it any more", img.Name)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // setPlan makes the plan for the last survey, and logs each conflict once, when it first appears.

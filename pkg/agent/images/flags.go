@@ -12,16 +12,20 @@ import (
 
 // Flag names: a contract, as k3s's own flags are (command line, K3S_ variables, config.yaml keys).
 const (
-	FlagPinnedImages        = "pinned-images"
-	FlagPinnedImageLabels   = "pinned-image-labels"
-	FlagDisableImagePinning = "disable-image-pinning"
-	FlagDisableImageRestore = "disable-image-restore"
+	FlagPinnedImages         = "pinned-images"
+	FlagPinnedImageLabels    = "pinned-image-labels"
+	FlagDisableImagePinning  = "disable-image-pinning"
+	FlagDisableImageRestore  = "disable-image-restore"
+	FlagPinnedWorkloadImages = "pinned-workload-images"
 )
 
 // PolicyValues are the values of the policy flags, plain.
 type PolicyValues struct {
 	PinnedImages      []string
 	PinnedImageLabels []string
+	// PinnedWorkloadImages keeps every image a workload of the cluster references; it needs the
+	// cluster (K3sConfig.WatchWorkloads, or the command's --kubeconfig).
+	PinnedWorkloadImages bool
 }
 
 // Policy parses the values; a malformed one is an error naming its flag and the value.
@@ -51,8 +55,8 @@ type K3sSettings struct {
 
 // Check checks the values, naming the flag of a bad one, and returns the policy they describe.
 func (s K3sSettings) Check() (*pinning.Policy, error) {
-	if s.DisableImagePinning && (len(s.PinnedImages) > 0 || len(s.PinnedImageLabels) > 0) {
-		return nil, fmt.Errorf("--%s and --%s need image pinning; remove them or --%s", FlagPinnedImages, FlagPinnedImageLabels, FlagDisableImagePinning)
+	if s.DisableImagePinning && (len(s.PinnedImages) > 0 || len(s.PinnedImageLabels) > 0 || s.PinnedWorkloadImages) {
+		return nil, fmt.Errorf("--%s, --%s and --%s need image pinning; remove them or --%s", FlagPinnedImages, FlagPinnedImageLabels, FlagPinnedWorkloadImages, FlagDisableImagePinning)
 	}
 	return s.Policy()
 }
@@ -99,6 +103,8 @@ func policyFlags(envPrefix string) []cli.Flag {
 			Usage: "(agent/images) Keep these images too, e.g. hand imports: repo:tag, repo@digest, bare repo (every tag), or glob (registry.local/*)"},
 		&cli.StringSliceFlag{Name: FlagPinnedImageLabels, EnvVars: envVars(envPrefix, FlagPinnedImageLabels),
 			Usage: "(agent/images) Keep images carrying these containerd labels: key or key=value"},
+		&cli.BoolFlag{Name: FlagPinnedWorkloadImages, EnvVars: envVars(envPrefix, FlagPinnedWorkloadImages),
+			Usage: "(agent/images) Keep every image a workload of the cluster references (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, Pods), scaled to zero or not; needs list and watch on them"},
 	}
 }
 
@@ -108,7 +114,7 @@ func envVars(envPrefix, flag string) []string {
 }
 
 func policyValues(c *cli.Context) PolicyValues {
-	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels)}
+	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels), PinnedWorkloadImages: c.Bool(FlagPinnedWorkloadImages)}
 }
 
 // actions makes every flag that is set (on the command line, in the environment or the config

@@ -24,6 +24,12 @@ type K3sConfig struct {
 	ExtraRegistries []string // cfg.AgentConfig.AirgapExtraRegistry
 	// StateFile defaults to k3s-pinning/state.json beside the images dir (agent/), outside it.
 	StateFile string
+	// Reporter, when set, is told the agent's events and the node's protection (a cluster.Node
+	// on the agent's kubelet kubeconfig, which the caller runs).
+	Reporter Reporter
+	// WatchWorkloads follows the images the cluster's workloads reference, for
+	// --pinned-workload-images (cluster.Node.WatchWorkloads).
+	WatchWorkloads WorkloadWatcher
 	K3sSettings
 }
 
@@ -59,7 +65,7 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 		return nil, nil, fmt.Errorf("k3s-pinning: containerd at %s: %w", cfg.Address, err)
 	}
 	ctx = namespaces.WithNamespace(ctx, pinning.DefaultNamespace)
-	agent := NewAgent(Services(client), Config{ImagesDir: cfg.ImagesDir, Policy: policy, ExtraRegistries: cfg.ExtraRegistries, StateFile: cfg.StateFile})
+	agent := NewAgent(Services(client), Config{ImagesDir: cfg.ImagesDir, Policy: policy, ExtraRegistries: cfg.ExtraRegistries, StateFile: cfg.StateFile, Reporter: cfg.Reporter})
 	start := time.Now()
 	report := agent.Sync(ctx)
 	if err := report.Err(); err != nil {
@@ -69,6 +75,13 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 		logrus.Errorf("k3s-pinning: %v", err)
 	}
 	logrus.Infof("k3s-pinning: %s loaded and pinned in %s; following it", cfg.ImagesDir, time.Since(start).Round(time.Millisecond))
+	if cfg.PinnedWorkloadImages {
+		if cfg.WatchWorkloads == nil {
+			logrus.Errorf("k3s-pinning: --%s: no connection to the cluster was given; keeping the images dir and the policy only", FlagPinnedWorkloadImages)
+		} else {
+			go cfg.WatchWorkloads(ctx, agent.SetWorkloadImages)
+		}
+	}
 	result := make(chan error, 1)
 	go func() {
 		err := agent.Run(ctx, RunOptions{Restore: !cfg.DisableImageRestore, Synced: true})
@@ -95,6 +108,12 @@ func (a *Agent) adoptK3sPins(ctx context.Context) error {
 		return errors.New("k3s's pins left as they are: the start-up sync could not list containerd")
 	}
 	var errs []error
+	var adopted []string
+	defer func() {
+		if len(adopted) > 0 {
+			a.event(false, ReasonPinsAdopted, "took over %d pin(s) stock k3s set, which it would drop at its next start: %s", len(adopted), firstFew(adopted))
+		}
+	}()
 	for _, img := range marked {
 		source, _ := a.plan.Source(img)
 		did, err := a.pinner.Adopt(ctx, img, source)
@@ -106,6 +125,7 @@ func (a *Agent) adoptK3sPins(ctx context.Context) error {
 		case pinning.KeptOurs:
 			logrus.Infof("k3s-pinning: %s: dropped k3s's mark beside our pin", img.Name)
 		case pinning.MadeOurs:
+			adopted = append(adopted, img.Name)
 			logrus.Infof("k3s-pinning: %s: k3s's pin is now ours (%s wants it); it was never unpinned", img.Name, source)
 		case pinning.Cleared:
 			logrus.Infof("k3s-pinning: %s: cleared k3s's pin: nothing in the images dir provides it any more", img.Name)

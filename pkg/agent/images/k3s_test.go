@@ -93,8 +93,12 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	}()
 
 	ctx, cancel := context.WithCancel(n.ctx)
+	rec := &recorder{}
+	workloads := make(chan func([]string), 1) // the agent's update, handed to the watcher
 	keeper, done, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
-		ExtraRegistries: []string{"mirror.local:5000"}})
+		ExtraRegistries: []string{"mirror.local:5000"}, Reporter: rec,
+		K3sSettings:    agentimages.K3sSettings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true}},
+		WatchWorkloads: func(ctx context.Context, update func([]string)) { workloads <- update; <-ctx.Done() }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +161,13 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	if l := n.labels("acc.example/gone:1.0"); pinning.IsPinned(l) || l[pinning.LabelK3sPinned] != "" {
 		t.Errorf("acc.example/gone:1.0 labels %v, want k3s's stale pin cleared (the image stays)", l)
 	}
-
+	// The adoption as one event naming the pin taken over; the node protected.
+	if e, ok := rec.event(agentimages.ReasonPinsAdopted, "acc.example/old:1.0"); !ok || e.Warning {
+		t.Errorf("no Normal PinsAdopted event naming acc.example/old:1.0: %+v", rec.events)
+	}
+	if p, _ := rec.last(); !p.Protected() {
+		t.Errorf("after start-up: %s", p.Summary())
+	}
 	// The list was satisfied by the tarball (no pull: acc.example does not resolve here), nothing
 	// failed, and k3s's .cache.json is neither read as an archive nor written.
 	state, err := agentimages.LoadState(filepath.Join(filepath.Dir(n.imagesDir), "k3s-pinning", "state.json"))
@@ -181,6 +191,19 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 		t.Fatal(err)
 	}
 	n.await(10*time.Second, "app:1.0 restored from app.tar", func() bool { return n.pinnedLabel("acc.example/team/app:1.0") })
+
+	// --pinned-workload-images: the watcher given is started with the agent's update; the image
+	// k3s left whose archive is gone is a workload's, so it is pinned again, for the workload.
+	select {
+	case update := <-workloads:
+		update([]string{"acc.example/gone:1.0"})
+	case <-time.After(5 * time.Second):
+		t.Fatal("StartK3s did not start the workload watcher")
+	}
+	n.await(10*time.Second, "gone:1.0 pinned for its workload", func() bool { return n.pinnedLabel("acc.example/gone:1.0") })
+	if src := n.labels("acc.example/gone:1.0")[pinning.LabelSource]; src != pinning.SourceWorkload {
+		t.Errorf("gone:1.0 pinned with source %q, want workload", src)
+	}
 }
 
 // TestStartK3sOptions: --disable-image-restore keeps pins but does not re-import; with

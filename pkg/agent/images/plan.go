@@ -26,6 +26,11 @@ type Plan struct {
 	archives map[string]bool          // archives in the images dir
 	policy   *pinning.Policy
 	owners   *owners // which archive loads each reference, and the claims it overrules
+	// workloads are the references the cluster's workloads name (--pinned-workload-images), as
+	// containerd names images; nil while they are not known (the flag is off, or the API server
+	// has not answered): then a pin set for a workload is kept as it is, never released on a
+	// guess.
+	workloads map[string]bool
 }
 
 // planInput is what a plan is made of.
@@ -39,6 +44,7 @@ type planInput struct {
 	recorded        map[string]*ArchiveState
 	policy          *pinning.Policy
 	extraRegistries []string
+	workloads       map[string]bool
 }
 
 // newPlan decides, archive by archive in file-name order, what each provides: the names its
@@ -46,7 +52,7 @@ type planInput struct {
 // docker archives are known only after import). The first archive to provide a reference is its
 // source, the same rule by which ownership decides which archive loads it.
 func newPlan(in planInput) *Plan {
-	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, policy: in.policy}
+	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, policy: in.policy, workloads: in.workloads}
 	names := slices.Sorted(slices.Values(in.present))
 	claims := map[string]*airgap.Index{}
 	var ordered []*airgap.Index
@@ -90,17 +96,21 @@ func (p *Plan) provide(ref, archive string, d digest.Digest) {
 }
 
 // Source says what wants img kept: the archive that provides its name; the source our pin on it
-// records, while that source still wants it (a manual pin, or an archive still in the dir: a
-// retag of a docker archive, whose digest is known only after import); or the policy.
+// records, while that source still wants it (a manual pin, an archive still in the dir: a retag
+// of a docker archive, whose digest is known only after import, or a workload while the
+// workloads are not known); the policy; or a workload of the cluster.
 func (p *Plan) Source(img images.Image) (string, bool) {
 	if src, ok := p.refs[img.Name]; ok {
 		return src, true
 	}
-	if src, ours := pinning.OwnPin(img.Labels); ours && (src == pinning.SourceManual || p.archives[src]) {
+	if src, ours := pinning.OwnPin(img.Labels); ours && (src == pinning.SourceManual || p.archives[src] || (src == pinning.SourceWorkload && p.workloads == nil)) {
 		return src, true
 	}
 	if p.policy.Wants(img) {
 		return pinning.SourcePolicy, true
+	}
+	if p.workloads[img.Name] {
+		return pinning.SourceWorkload, true
 	}
 	return "", false
 }
@@ -115,6 +125,9 @@ func (p *Plan) Heir(img images.Image, source string) string {
 	}
 	if p.policy.Wants(img) {
 		return pinning.SourcePolicy
+	}
+	if p.workloads[img.Name] {
+		return pinning.SourceWorkload
 	}
 	return ""
 }
@@ -163,7 +176,7 @@ func (k *Keeper) Keep(id string, repoTags, repoDigests []string) bool {
 			}
 		}
 	}
-	if set.plan.policy.Empty() {
+	if set.plan.policy.Empty() && len(set.plan.workloads) == 0 {
 		return false
 	}
 	for _, names := range [][]string{repoTags, repoDigests} {
@@ -179,6 +192,12 @@ func (k *Keeper) Keep(id string, repoTags, repoDigests []string) bool {
 		}
 	}
 	return false
+}
+
+// wanted reports whether name is a reference the last published set keeps.
+func (k *Keeper) wanted(name string) bool {
+	set := k.set.Load()
+	return set != nil && set.names[name]
 }
 
 // publish makes plan, resolved against the images containerd holds (listed; nil before the

@@ -76,19 +76,12 @@ func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 		return err
 	}
 	events := make(chan any, 256)
-	resync := make(chan struct{}, 1)
-	request := func() {
-		select {
-		case resync <- struct{}{}:
-		default:
-		}
-	}
 	g, ctx := errgroup.WithContext(ctx)
 	if a.cd.Events != nil {
-		g.Go(func() error { a.watchEvents(ctx, ns, events, request); return nil })
+		g.Go(func() error { a.watchEvents(ctx, ns, events, a.requestSync); return nil })
 	}
-	g.Go(func() error { a.watchDir(ctx, request); return nil })
-	g.Go(func() error { return a.follow(ctx, opts, events, resync) })
+	g.Go(func() error { a.watchDir(ctx, a.requestSync); return nil })
+	g.Go(func() error { return a.follow(ctx, opts, events, a.resync) })
 	return g.Wait()
 }
 
@@ -133,11 +126,17 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 		a.mu.Lock()
 		switch e := ev.(type) {
 		case *eventstypes.ImageCreate:
+			a.trackCreated(e.Name)
 			a.repin(ctx, e.Name, e.Labels)
 		case *eventstypes.ImageUpdate:
+			a.trackCreated(e.Name)
 			a.repin(ctx, e.Name, e.Labels)
 		case *eventstypes.ImageDelete:
-			if src := a.plan.Archive(e.Name); opts.Restore && src != "" {
+			src := a.plan.Archive(e.Name)
+			if a.keeper.wanted(e.Name) || src != "" {
+				a.trackDeleted(e.Name, src)
+			}
+			if opts.Restore && src != "" {
 				p := pending[src]
 				if p == nil {
 					p = &pendingRestore{refs: map[string]bool{}, backoff: retryMin}
@@ -157,6 +156,7 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 			}
 		}
 		a.updateView(pending)
+		a.reportProtection()
 		a.mu.Unlock()
 		if tick {
 			afterSync()
@@ -202,6 +202,9 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		ar, err := airgap.At(filepath.Join(a.cfg.ImagesDir, name))
 		if rec == nil || err != nil {
 			delete(pending, name) // the archive left: nothing to restore from
+			for _, ref := range slices.Sorted(maps.Keys(p.refs)) {
+				a.trackDeleted(ref, "")
+			}
 			continue
 		}
 		recorded := rec.Refs
@@ -212,6 +215,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			a.state.Agent.RestoresFailed++
 			p.retryAt, p.noSpace = time.Now().Add(p.backoff), isNoSpace(err)
 			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
+			a.event(true, ReasonImageRestoreFailed, "restoring %s from %s failed, retrying in %s: %v", firstFew(slices.Sorted(maps.Keys(p.refs))), name, p.backoff, err)
 			p.backoff = min(2*p.backoff, retryMax)
 			a.updateView(pending)
 			a.saveState() // status and doctor, in other processes, show what is waiting
@@ -227,7 +231,12 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		}
 		a.metrics.restores.WithLabelValues("ok").Inc()
 		a.state.Agent.RestoresDone++
-		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, time.Since(start).Round(time.Millisecond))
+		took := time.Since(start).Round(time.Millisecond)
+		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, took)
+		a.event(false, ReasonImageRestored, "restored %s from %s in %s", firstFew(slices.Sorted(maps.Keys(p.refs))), name, took)
+		for ref := range p.refs {
+			a.trackCreated(ref)
+		}
 		delete(pending, name)
 		a.updateView(pending) // what status and doctor read: this one is no longer pending
 		a.saveState()

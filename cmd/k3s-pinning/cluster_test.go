@@ -1,0 +1,42 @@
+package main_test
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestClusterUsageErrors: the cluster view's bad input exits 2 naming the flag or the file,
+// before anything runs (no containerd, no API server needed).
+func TestClusterUsageErrors(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "no-such-kubeconfig")
+	garbage := filepath.Join(t.TempDir(), "garbage.yaml")
+	if err := os.WriteFile(garbage, []byte("not: [a kubeconfig"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		env  string
+		want []string
+	}{
+		{[]string{"status", "--cluster", "--kubeconfig", missing}, "", []string{"status --cluster", missing}},
+		{[]string{"status", "--cluster", "--kubeconfig", garbage}, "", []string{"status --cluster", garbage}},
+		// $KUBECONFIG is read when the flag is not given
+		{[]string{"status", "--cluster"}, missing, []string{missing}},
+		{[]string{"run", "--pinned-workload-images", "--containerd-address", missing}, "", []string{"--pinned-workload-images", "--kubeconfig"}},
+		{[]string{"run", "--kubeconfig", missing, "--containerd-address", missing}, "", []string{"run:", missing}},
+	} {
+		cmd := strings.Join(tc.args, " ")
+		t.Setenv("KUBECONFIG", tc.env)
+		_, stderr, code := run(t, tc.args...)
+		if code != 2 {
+			t.Errorf("%s: exit %d, want 2\n%s", cmd, code, stderr)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(stderr, w) {
+				t.Errorf("%s: stderr does not name %q:\n%s", cmd, w, stderr)
+			}
+		}
+	}
+}

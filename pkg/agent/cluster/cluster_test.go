@@ -1,0 +1,46 @@
+package cluster
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+)
+
+// TestCondition: what the node condition says for each kind of protection; a loss outranks a
+// restore in progress, which outranks an archive that failed.
+func TestCondition(t *testing.T) {
+	now := time.Date(2026, 12, 3, 8, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name         string
+		p            images.Protection
+		status       corev1.ConditionStatus
+		reason       string
+		messageNames []string
+	}{
+		{"protected", images.Protection{Wanted: 12}, corev1.ConditionTrue, ReasonProtected, []string{"all 12"}},
+		{"restore pending", images.Protection{Wanted: 12, Missing: []string{"a:1"}}, corev1.ConditionFalse, ReasonImagesMissing, []string{"1 of 12", "a:1"}},
+		{"lost", images.Protection{Wanted: 12, Missing: []string{"a:1", "h:1"}, Lost: []string{"h:1"}, FailedArchives: map[string]string{"x.tar": "bad"}},
+			corev1.ConditionFalse, ReasonImagesLost, []string{"2 of 12", "1 lost", "h:1", "x.tar"}},
+		{"archive failed", images.Protection{Wanted: 3, FailedArchives: map[string]string{"x.tar": "bad"}}, corev1.ConditionFalse, ReasonArchivesFailed, []string{"1 archive(s)", "x.tar"}},
+		{"many missing", images.Protection{Wanted: 9, Missing: []string{"a", "b", "c", "d", "e"}}, corev1.ConditionFalse, ReasonImagesMissing, []string{"a, b, c and 2 more"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := Condition(tc.p, now)
+			if c.Type != ConditionType || c.Status != tc.status || c.Reason != tc.reason {
+				t.Errorf("condition %s %s %s, want %s %s %s", c.Type, c.Status, c.Reason, ConditionType, tc.status, tc.reason)
+			}
+			for _, want := range tc.messageNames {
+				if !strings.Contains(c.Message, want) {
+					t.Errorf("message %q does not say %q", c.Message, want)
+				}
+			}
+			if !c.LastHeartbeatTime.Time.Equal(now) {
+				t.Errorf("heartbeat %s, want %s", c.LastHeartbeatTime, now)
+			}
+		})
+	}
+}

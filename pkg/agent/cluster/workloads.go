@@ -1,0 +1,240 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	appsv1 "k8s.io/api/apps/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+)
+
+// WorkloadsClusterRole is the ClusterRole of deploy/k3s-pinning-workloads.yaml: list and watch on
+// the kinds below, nothing else.
+const WorkloadsClusterRole = "k3s-pinning-workloads"
+
+// workloadKinds are what --pinned-workload-images reads: every kind with a pod template, and Pods.
+var workloadKinds = []struct{ group, resource string }{
+	{"apps", "deployments"}, {"apps", "statefulsets"}, {"apps", "daemonsets"}, {"apps", "replicasets"},
+	{"batch", "jobs"}, {"batch", "cronjobs"}, {"", "pods"},
+}
+
+// ReasonWorkloadAccessDenied is the Event of credentials that may not read the workloads.
+const ReasonWorkloadAccessDenied = "WorkloadAccessDenied"
+
+const (
+	// accessRetry is the wait before the access is asked again: a binding applied after the
+	// denial takes effect within it, and a node never granted asks one cheap question each time.
+	accessRetry = 30 * time.Second
+	settle      = time.Second // a rollout changes several objects at once: one update for them
+)
+
+// WatchWorkloads follows the pod templates of the cluster's Deployments, StatefulSets,
+// DaemonSets, ReplicaSets, Jobs and CronJobs, and its Pods, and calls update with every image
+// they name each time that set changes, until ctx ends. A workload scaled to zero keeps its
+// template, so its image is kept too. It first asks the API server whether its credentials may
+// list and watch each kind; while they may not, it says what is missing (once for each change)
+// and asks again every 30 s, one question at a time (the first permission still missing): the
+// node-local protection goes on meanwhile, and update is not called, so nothing is released on a
+// guess.
+func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
+	said := ""
+	var missing []access
+	for {
+		var err error
+		if len(missing) > 0 {
+			// Still denied the first one: nothing changed, and one question was enough.
+			var allowed bool
+			if allowed, err = n.allowed(ctx, missing[0]); err == nil && allowed {
+				missing = nil
+			}
+		}
+		if err == nil && len(missing) == 0 {
+			missing, err = n.missingAccess(ctx)
+			if err == nil && len(missing) == 0 {
+				break
+			}
+		}
+		var msg string
+		if err != nil {
+			msg = fmt.Sprintf("cannot check its access: %v", err)
+		} else {
+			names := make([]string, len(missing))
+			for i, m := range missing {
+				names[i] = m.String()
+			}
+			msg = fmt.Sprintf("its credentials may not %s; bind the ClusterRole %s (deploy/k3s-pinning-workloads.yaml) to them", strings.Join(names, ", "), WorkloadsClusterRole)
+		}
+		if msg != said {
+			logrus.Errorf("k3s-pinning: --pinned-workload-images: %s; asking again every %s, the images dir and the policy are kept meanwhile", msg, accessRetry)
+			n.Event(images.Event{Warning: true, Reason: ReasonWorkloadAccessDenied, Message: "--pinned-workload-images: " + msg})
+			said = msg
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(accessRetry):
+		}
+	}
+	if said != "" {
+		logrus.Infof("k3s-pinning: --pinned-workload-images: access granted; following the cluster's workloads")
+	}
+
+	factory := informers.NewSharedInformerFactoryWithOptions(n.client, 0, informers.WithTransform(trimToPodSpec))
+	changed := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case changed <- struct{}{}:
+		default:
+		}
+	}
+	handler := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { poke() },
+		UpdateFunc: func(any, any) { poke() },
+		DeleteFunc: func(any) { poke() },
+	}
+	listers := []func() []corev1.PodSpec{}
+	add := func(inf cache.SharedIndexInformer, spec func(any) *corev1.PodSpec) {
+		if _, err := inf.AddEventHandler(handler); err != nil {
+			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
+		}
+		listers = append(listers, func() []corev1.PodSpec {
+			var out []corev1.PodSpec
+			for _, obj := range inf.GetStore().List() {
+				if s := spec(obj); s != nil {
+					out = append(out, *s)
+				}
+			}
+			return out
+		})
+	}
+	apps, batch, core := factory.Apps().V1(), factory.Batch().V1(), factory.Core().V1()
+	add(apps.Deployments().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec })
+	add(apps.StatefulSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec })
+	add(apps.DaemonSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec })
+	add(apps.ReplicaSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec })
+	add(batch.Jobs().Informer(), func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec })
+	add(batch.CronJobs().Informer(), func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec })
+	add(core.Pods().Informer(), func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec })
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+	for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
+		if !ok && ctx.Err() == nil {
+			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v did not sync", typ)
+		}
+	}
+	var last []string
+	for {
+		var refs []string
+		for _, list := range listers {
+			for _, spec := range list() {
+				refs = append(refs, specImages(spec)...)
+			}
+		}
+		slices.Sort(refs)
+		refs = slices.Compact(refs)
+		if last == nil || !slices.Equal(refs, last) {
+			logrus.Infof("k3s-pinning: the cluster's workloads reference %d image(s)", len(refs))
+			update(refs)
+			last = refs
+			if last == nil {
+				last = []string{}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+		}
+		select { // let a burst of changes settle
+		case <-ctx.Done():
+			return
+		case <-time.After(settle):
+		}
+	}
+}
+
+// access is one permission WatchWorkloads needs.
+type access struct{ verb, group, resource string }
+
+func (a access) String() string {
+	if a.group == "" {
+		return a.verb + " " + a.resource
+	}
+	return a.verb + " " + a.resource + "." + a.group
+}
+
+// missingAccess asks the API server (SelfSubjectAccessReview) whether the credentials may list
+// and watch each workload kind, and returns those they may not.
+func (n *Node) missingAccess(ctx context.Context) ([]access, error) {
+	var missing []access
+	for _, k := range workloadKinds {
+		for _, verb := range []string{"list", "watch"} {
+			a := access{verb, k.group, k.resource}
+			ok, err := n.allowed(ctx, a)
+			if err != nil {
+				return nil, err
+			}
+			if !ok {
+				missing = append(missing, a)
+			}
+		}
+	}
+	return missing, nil
+}
+
+func (n *Node) allowed(ctx context.Context, a access) (bool, error) {
+	review := &authorizationv1.SelfSubjectAccessReview{Spec: authorizationv1.SelfSubjectAccessReviewSpec{
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: a.verb, Group: a.group, Resource: a.resource},
+	}}
+	got, err := n.client.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, review, metav1.CreateOptions{})
+	if err != nil {
+		return false, err
+	}
+	return got.Status.Allowed, nil
+}
+
+// specImages are the images a pod spec names.
+func specImages(s corev1.PodSpec) []string {
+	set := map[string]bool{}
+	for _, c := range s.InitContainers {
+		set[c.Image] = true
+	}
+	for _, c := range s.Containers {
+		set[c.Image] = true
+	}
+	for _, c := range s.EphemeralContainers {
+		set[c.Image] = true
+	}
+	delete(set, "")
+	return slices.Collect(maps.Keys(set))
+}
+
+// trimToPodSpec drops what the informers' caches need not keep (managed fields, annotations,
+// status): on a large cluster every node's agent holds every workload.
+func trimToPodSpec(obj any) (any, error) {
+	if m, ok := obj.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+		m.SetAnnotations(nil)
+	}
+	switch o := obj.(type) {
+	case *corev1.Pod:
+		o.Status = corev1.PodStatus{}
+	case *appsv1.Deployment:
+		o.Status = appsv1.DeploymentStatus{}
+	case *appsv1.ReplicaSet:
+		o.Status = appsv1.ReplicaSetStatus{}
+	}
+	return obj, nil
+}
