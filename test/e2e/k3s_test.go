@@ -380,11 +380,19 @@ func (n *k3sNode) handImport() {
 // node without CNI.
 func (n *k3sNode) deployApp() {
 	n.t.Helper()
+	n.await(2*time.Minute, "the default service account (kubectl apply needs it for pods)", func() bool { return n.kubectlOK("get", "serviceaccount", "default") })
+	n.applyDeployment(k3sAppName, k3sAppRef, 1)
+}
+
+// applyDeployment applies a Deployment of replicas pods running image (host network, from the
+// node only: imagePullPolicy Never, tolerating the not-ready taint of a node without CNI).
+func (n *k3sNode) applyDeployment(name, image string, replicas int) {
+	n.t.Helper()
 	manifest := fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata: {name: %[1]s, namespace: default}
 spec:
-  replicas: 1
+  replicas: %[3]d
   selector: {matchLabels: {app: %[1]s}}
   template:
     metadata: {labels: {app: %[1]s}}
@@ -393,11 +401,10 @@ spec:
       terminationGracePeriodSeconds: 1
       tolerations: [{key: node.kubernetes.io/not-ready, operator: Exists}]
       containers:
-      - {name: app, image: %[2]s, imagePullPolicy: Never}
-`, k3sAppName, k3sAppRef)
-	path := filepath.Join(n.dir, "app.yaml")
+      - {name: main, image: %[2]s, imagePullPolicy: Never}
+`, name, image, replicas)
+	path := filepath.Join(n.dir, name+".yaml")
 	n.writeFile(path, manifest)
-	n.await(2*time.Minute, "the default service account (kubectl apply needs it for pods)", func() bool { return n.kubectlOK("get", "serviceaccount", "default") })
 	n.mustKubectl("apply", "-f", path)
 }
 
@@ -862,21 +869,7 @@ func (n *k3sNode) parkWorkload(r *k3sReport) {
 		}
 		n.mustKubectl("apply", "-f", filepath.Join(repoRoot(n.t), "deploy", "k3s-pinning-workloads.yaml"))
 	}
-	manifest := fmt.Sprintf(`apiVersion: apps/v1
-kind: Deployment
-metadata: {name: %[1]s, namespace: default}
-spec:
-  replicas: 0
-  selector: {matchLabels: {app: %[1]s}}
-  template:
-    metadata: {labels: {app: %[1]s}}
-    spec:
-      containers:
-      - {name: parked, image: %[2]s, imagePullPolicy: Never}
-`, parkedName, workloadRef)
-	path := filepath.Join(n.dir, "parked.yaml")
-	n.writeFile(path, manifest)
-	n.mustKubectl("apply", "-f", path)
+	n.applyDeployment(parkedName, workloadRef, 0)
 	if n.pinning {
 		n.await(2*time.Minute, workloadRef+" pinned for the Deployment scaled to 0", func() bool { return n.criPinned(workloadRef) })
 	}
@@ -956,7 +949,7 @@ func TestK3sWrapperAcceptsTheFlags(t *testing.T) {
 	bin := k3sBinDir(t)
 	for _, args := range [][]string{
 		{"server", "--disable-image-pinning", "--disable-image-restore"},
-		{"agent", "--pinned-images", handCLIRef, "--pinned-image-labels", "example.com/keep"},
+		{"agent", "--pinned-images", handCLIRef, "--pinned-image-labels", "example.com/keep", "--pinned-workload-images"},
 	} {
 		dataDir := t.TempDir()
 		cmd := exec.Command(filepath.Join(bin, "k3s-wrapper"), append(args, "--data-dir", dataDir)...)
