@@ -78,7 +78,11 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 		}
 		if msg != said {
 			logrus.Errorf("k3s-pinning: --pinned-workload-images: %s; asking again every %s, the images dir and the policy are kept meanwhile", msg, accessRetry)
-			n.Event(images.Event{Warning: true, Reason: ReasonWorkloadAccessDenied, Message: "--pinned-workload-images: " + msg})
+			// Only a denial is an Event: a check that fails (a k3s server's first seconds, before
+			// its RBAC is bootstrapped, refuses even this question) is logged and asked again.
+			if err == nil {
+				n.Event(images.Event{Warning: true, Reason: ReasonWorkloadAccessDenied, Message: "--pinned-workload-images: " + msg})
+			}
 			said = msg
 		}
 		select {
