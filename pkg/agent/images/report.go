@@ -102,7 +102,8 @@ func (a *Agent) event(warning bool, reason, format string, args ...any) {
 	}
 }
 
-// trackListed resets what is missing from a list of the whole store, after a sync: wanted
+// trackListed resets what is missing from a list of the whole store, after a sync has published
+// its keep-set from it: wanted
 // references it lacks are missing (lost ones stay lost until they come back), and each misspelled
 // pin label is reported once.
 func (a *Agent) trackListed(listed []images.Image) {
@@ -132,10 +133,12 @@ func (a *Agent) trackListed(listed []images.Image) {
 		}
 	}
 	a.track.missing = missing
-	// Wanted: what the list holds that the plan wants, and what it lacks.
+	// Wanted: what the list holds that the plan wants, and what it lacks. The keep-set just
+	// published from this list has decided each name: a lookup, not the plan asked a third time
+	// per image (PinWanted and publish asked it already).
 	a.track.wanted = len(missing)
 	for _, img := range listed {
-		if _, wanted := a.plan.Source(img); wanted && !isImageIDRecord(img.Name) {
+		if !isImageIDRecord(img.Name) && a.keeper.wanted(img.Name) {
 			a.track.wanted++
 		}
 	}
