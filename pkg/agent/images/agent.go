@@ -343,7 +343,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 		report.PolicyErr = err
 	} else {
 		pinned, err := a.pinner.PinWanted(ctx, listed, a.plan.Source)
-		report.PolicyErr = errors.Join(err, a.releaseWorkloadPins(ctx, listed))
+		report.PolicyErr = errors.Join(err, a.releaseUnwanted(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
 			if pinned[ref] == pinning.SourcePolicy {
 				report.PolicyPinned = append(report.PolicyPinned, ref)
@@ -377,24 +377,31 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	return report
 }
 
-// releaseWorkloadPins removes the pins set for workloads that no longer reference the image,
-// once the workloads are known and nothing else wants it.
-func (a *Agent) releaseWorkloadPins(ctx context.Context, listed []images.Image) error {
-	if a.workloads == nil {
-		return nil
-	}
+// releaseUnwanted removes every pin of ours, set for an archive or a workload, that the plan no
+// longer wants: the pins of a workload no longer there (once the workloads are known), and those
+// an archive set on what it no longer provides. An archive's changes are released as they are
+// recorded (release); this pass, at every sync, is what makes that converge when one was lost
+// (the agent stopped between the record and the release, containerd restarting, the state file
+// lost). Policy and manual pins are the operator's: they are not released here.
+func (a *Agent) releaseUnwanted(ctx context.Context, listed []images.Image) error {
 	var errs []error
 	for _, img := range listed {
-		if src, ours := pinning.OwnPin(img.Labels); !ours || src != pinning.SourceWorkload {
+		src, ours := pinning.OwnPin(img.Labels)
+		if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || isImageIDRecord(img.Name) {
 			continue
 		}
 		if _, wanted := a.plan.Source(img); wanted {
 			continue
 		}
-		if released, err := a.pinner.Release(ctx, img.Name, pinning.SourceWorkload, ""); err != nil {
+		released, err := a.pinner.Release(ctx, img.Name, src, "")
+		switch {
+		case err != nil:
 			errs = append(errs, err)
-		} else if released {
+		case !released:
+		case src == pinning.SourceWorkload:
 			logrus.Infof("unpinned %s: no workload of the cluster references it any more", img.Name)
+		default:
+			logrus.Infof("unpinned %s: %s does not provide it (a release that did not happen when it changed)", img.Name, src)
 		}
 	}
 	return errors.Join(errs...)

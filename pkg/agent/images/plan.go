@@ -24,6 +24,9 @@ type Plan struct {
 	refs     map[string]string        // reference -> archive that provides it
 	digests  map[string]digest.Digest // reference -> what it points at, where known
 	archives map[string]bool          // archives in the images dir
+	// recorded are the archives in the images dir whose load the state records: what such an
+	// archive provides is known in full (refs), so a pin it set on anything else is stale.
+	recorded map[string]bool
 	policy   *pinning.Policy
 	owners   *owners // which archive loads each reference, and the claims it overrules
 	// workloads are the references the cluster's workloads name (--pinned-workload-images), as
@@ -52,12 +55,13 @@ type planInput struct {
 // docker archives are known only after import). The first archive to provide a reference is its
 // source, the same rule by which ownership decides which archive loads it.
 func newPlan(in planInput) *Plan {
-	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, policy: in.policy, workloads: in.workloads}
+	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.policy, workloads: in.workloads}
 	names := slices.Sorted(slices.Values(in.present))
 	claims := map[string]*airgap.Index{}
 	var ordered []*airgap.Index
 	for _, name := range names {
 		p.archives[name] = true
+		p.recorded[name] = in.recorded[name] != nil
 		idx := in.read[name]
 		if rec := in.recorded[name]; idx == nil && rec != nil {
 			idx = rec.index(airgap.Archive{Path: name}) // only its name is asked for
@@ -96,14 +100,16 @@ func (p *Plan) provide(ref, archive string, d digest.Digest) {
 }
 
 // Source says what wants img kept: the archive that provides its name; the source our pin on it
-// records, while that source still wants it (a manual pin, an archive still in the dir: a retag
-// of a docker archive, whose digest is known only after import, or a workload while the
-// workloads are not known); the policy; or a workload of the cluster.
+// records, while that source may still want it (a manual pin; an archive in the dir whose load
+// is not recorded yet, so what it provides is not known in full; a workload while the workloads
+// are not known); the policy; or a workload of the cluster. An archive whose load is recorded
+// wants exactly what it provides: a pin it set on anything else (a digest reference of its
+// previous content whose release was lost to a restart, a lost state file) is not wanted.
 func (p *Plan) Source(img images.Image) (string, bool) {
 	if src, ok := p.refs[img.Name]; ok {
 		return src, true
 	}
-	if src, ours := pinning.OwnPin(img.Labels); ours && (src == pinning.SourceManual || p.archives[src] || (src == pinning.SourceWorkload && p.workloads == nil)) {
+	if src, ours := pinning.OwnPin(img.Labels); ours && (src == pinning.SourceManual || (p.archives[src] && !p.recorded[src]) || (src == pinning.SourceWorkload && p.workloads == nil)) {
 		return src, true
 	}
 	if p.policy.Wants(img) {

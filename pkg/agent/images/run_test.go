@@ -372,3 +372,66 @@ func TestFailedImportKeepsTheArchivesOtherPins(t *testing.T) {
 		}
 	}
 }
+
+// TestStalePinsOfAnArchiveAreReleased: a pin an archive set on what it no longer provides is
+// released at the next sync, however its release was missed (the soak's violation: a digest
+// reference of an archive's previous content left pinned with that archive as its source, which
+// nothing released once the state no longer said the archive had provided it). Here the agent is
+// down while the archive is replaced, or removed, and its state file is lost meanwhile: the new
+// agent has no record to compare with, only the pins in containerd.
+func TestStalePinsOfAnArchiveAreReleased(t *testing.T) {
+	for _, replaced := range []bool{true, false} {
+		name := map[bool]string{true: "replaced", false: "removed"}[replaced]
+		t.Run(name, func(t *testing.T) {
+			n := newNode(t)
+			ref := "acc.example/app:1.0"
+			writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{ref}})
+			writeArchive(t, n.imagesDir, archiveCase{file: "other.tar", refs: []string{"acc.example/other:1.0"}})
+			state := filepath.Join(t.TempDir(), "state.json")
+			cfg := agentimages.Config{ImagesDir: n.imagesDir, StateFile: state}
+			if err := agentimages.NewAgent(agentimages.Services(n.client), cfg).Sync(n.ctx).Err(); err != nil {
+				t.Fatal(err)
+			}
+			old := n.target(ref)
+			oldDigestRef := "acc.example/app@" + old
+			if !n.pinnedLabel(oldDigestRef) {
+				t.Fatalf("%s not pinned by the first sync", oldDigestRef)
+			}
+
+			// While no agent runs: the archive replaced (or removed), the state lost.
+			if replaced {
+				tmp := t.TempDir()
+				writeArchive(t, tmp, archiveCase{file: "app.tar", refs: []string{ref}})
+				if err := os.Rename(filepath.Join(tmp, "app.tar"), filepath.Join(n.imagesDir, "app.tar")); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := os.Remove(filepath.Join(n.imagesDir, "app.tar")); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Remove(state); err != nil {
+				t.Fatal(err)
+			}
+			if err := agentimages.NewAgent(agentimages.Services(n.client), cfg).Sync(n.ctx).Err(); err != nil {
+				t.Fatal(err)
+			}
+
+			if n.pinnedLabel(oldDigestRef) {
+				img, _ := n.client.ImageService().Get(n.ctx, oldDigestRef)
+				t.Errorf("%s, which app.tar no longer provides, is still pinned: %v", oldDigestRef, img.Labels)
+			}
+			if n.target(oldDigestRef) == "" {
+				t.Errorf("%s was deleted; it must only be unpinned, for the kubelet to collect", oldDigestRef)
+			}
+			if replaced {
+				if n.target(ref) == old || !n.pinnedLabel(ref) || !n.pinnedLabel("acc.example/app@"+n.target(ref)) {
+					t.Errorf("the new content of app.tar is not what %s is, pinned with its digest reference", ref)
+				}
+			} else if n.pinnedLabel(ref) {
+				t.Errorf("%s is still pinned after its archive left", ref)
+			}
+			if !n.pinnedLabel("acc.example/other:1.0") {
+				t.Error("another archive's pin was released")
+			}
+		})
+	}
+}

@@ -29,11 +29,12 @@ func TestSoakShort(t *testing.T) {
 	defer cancel()
 	res, err := soak.Run(ctx, soak.Options{Seed: seed, Rounds: rounds}, testLog{t})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("soak seed %d: %v (replay: SOAK_SEED=%d SOAK_ROUNDS=%d)", seed, err, seed, rounds)
 	}
 	res.Print(testLog{t})
 	if len(res.Violations) > 0 {
-		t.Errorf("%d invariant violation(s)", len(res.Violations))
+		// The last line of a failure names the seed: a log cut to its tail still replays it.
+		t.Errorf("%d invariant violation(s); replay: SOAK_SEED=%d SOAK_ROUNDS=%d, or make soak SOAK_FLAGS='-seed %d -rounds %d'", len(res.Violations), seed, rounds, seed, rounds)
 	}
 	if res.Rounds < rounds {
 		t.Errorf("ran %d of %d rounds", res.Rounds, rounds)
