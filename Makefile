@@ -19,17 +19,19 @@ test:
 patches-check:
 	bash scripts/patches-check.sh
 
-## k3s: a k3s binary with k3s-pinning built in. Offline (here): K3S_SOURCE=<k3s tree or archive>,
-## by default the newest k3s line in ../shared/k3s-src (upstream modules stand in for the k3s-io
-## forks; every substitution is printed). Networked: K3S_VERSION=v1.34.3+k3s1 (k3s's own forks and
-## build scripts). Into the user cache dir; prints the binary's path last. See scripts/build-k3s.sh
-K3S_SOURCE ?= $(lastword $(sort $(wildcard ../shared/k3s-src/k3s-release-*.tar.gz)))
+## k3s: a k3s binary with k3s-pinning built in. Here: K3S_SOURCE=<k3s tree or archive>, by default
+## the newest k3s line in ../shared/k3s-src (master, v1.36; build/k3s-newest.sh), with k3s's own
+## k3s-io forks wherever the module proxy serves them and an upstream stand-in for each it refuses
+## (every decision printed). Networked: K3S_VERSION=v1.36.3+k3s1 (k3s's own build scripts). Into
+## the user cache dir; prints the binary's path last. See scripts/build-k3s.sh
+K3S_SOURCE ?= $(shell build/k3s-newest.sh)
 k3s:
 	K3S_SOURCE=$(if $(K3S_VERSION),,$(K3S_SOURCE)) K3S_VERSION=$(K3S_VERSION) bash scripts/build-k3s.sh
 
-## k3s-e2e: make k3s, then a real k3s node (k3s server, sqlite, containerd on a loop-mounted ext4)
-## through k3s issues 10209, 14265, 2961 and hand imports, with pinning and with
-## --disable-image-pinning, one table for both (root)
+## k3s-e2e: make k3s (K3S_SOURCE, by default the newest line), then a real k3s node (k3s server,
+## sqlite, containerd on a loop-mounted ext4) through k3s issues 10209, 14265, 2961, hand imports,
+## a stripped pin, archives removed and added, with pinning and with --disable-image-pinning, one
+## table for both (root)
 k3s-e2e:
 	K3S_SOURCE=$(K3S_SOURCE) bash scripts/k3s-e2e.sh
 
@@ -51,10 +53,13 @@ bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
 
 ## soak: the randomized soak (real containerd on a tmpfs, the kubelet's DeleteUnusedImages, 13
-## kinds of fault) for SOAK_FLAGS (default -duration 10m; -seed N replays a run) (root)
+## kinds of fault) for SOAK_FLAGS (default -duration 10m; -seed N replays a run), SOAK_RUNS runs
+## back to back from consecutive seeds (default 1); a failure's last line names its seed and the
+## command that replays it (root)
 SOAK_FLAGS ?= -duration 10m
+SOAK_RUNS ?= 1
 soak:
-	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/soak $(SOAK_FLAGS)
+	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/soak -runs $(SOAK_RUNS) $(SOAK_FLAGS)
 
 ## fuzz: the fuzz targets (archive index reader, policy parser), FUZZTIME each (default 60s)
 fuzz:

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # make k3s: a k3s binary with k3s-pinning built in.
 #
-#   make k3s K3S_SOURCE=../shared/k3s-src/k3s-release-1.34-80b11e874.tar.gz   (offline, here)
+#   make k3s                                  (here: k3s master 469d009fb, ../shared/k3s-src/current)
+#   make k3s K3S_SOURCE=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
 #   make k3s K3S_SOURCE=/path/to/a/k3s/checkout
 #   make k3s K3S_VERSION=v1.34.3+k3s1                                         (networked machine)
 #
 # Steps, in order:
 #  1. the k3s tree: unpacked from K3S_SOURCE (an archive or a tree) or cloned at K3S_VERSION, into
 #     the user cache dir (never into this repository), as a git repository so patches apply.
-#  2. offline only (K3S_SOURCE without K3S_ONLINE=1): every github.com/k3s-io fork that k3s's go.mod
-#     replaces is substituted by its upstream module (build/k3s-offline.sh prints each one), and the
-#     offline-only series patches/k3s-offline is applied. A networked build uses k3s's own forks.
+#  2. from a tree or archive (K3S_SOURCE without K3S_ONLINE=1): every github.com/k3s-io fork that
+#     k3s's go.mod replaces is used wherever the module proxy serves it; a fork it refuses is
+#     substituted by its upstream module, with the patches/k3s-offline patch that stand-in needs
+#     (build/k3s-forks.sh asks the proxy at every build and prints each decision). k8s.io/kubernetes
+#     is a local copy with patches/kubernetes. A networked build (K3S_VERSION) uses k3s's own scripts.
 #  3. the versions k3s selects are recorded, github.com/k3s-pinning/k3s-pinning is added (replaced
 #     by this checkout), and the build fails, naming the module, if that changed any version k3s
 #     selected (build/k3s-versions-check.sh).
@@ -19,7 +22,8 @@
 #  5. go build ./cmd/server with k3s's build tags and version flags (scripts/build's), plus the
 #     containerd shim from the containerd module k3s selects; k3s's multicall links beside it.
 #
-# Prints the binary's path last. K3S_BUILD_TAGS_EXTRA adds tags (no_cri_dockerd is added offline).
+# Prints the binary's path last. K3S_BUILD_TAGS_EXTRA adds tags (no_cri_dockerd is added when an empty
+# module stands in for a refused cri-dockerd fork).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 die() { echo "make k3s: $*" >&2; exit 1; }
@@ -68,14 +72,22 @@ fi
 cd "$src"
 if [ ! -d .git ]; then git init -q; git add -A; git -c user.email=k3s-pinning@localhost -c user.name=k3s-pinning commit -qm "k3s as given"; fi
 git config user.email k3s-pinning@localhost; git config user.name k3s-pinning
-k8s_version=$(go mod edit -json | python3 -c 'import json,sys; print([r["Version"] for r in json.load(sys.stdin)["Require"] if r["Path"]=="k8s.io/kubernetes"][0])')
+# The kubernetes k3s builds: its replace of k8s.io/kubernetes (the fork, less -k3sN) wins over
+# the version its require names.
+k8s_version=$(go mod edit -json | python3 -c '
+import json, re, sys
+m = json.load(sys.stdin)
+v = [r["Version"] for r in m["Require"] if r["Path"] == "k8s.io/kubernetes"][0]
+v = next((r["New"].get("Version") or v for r in m.get("Replace") or [] if r["Old"]["Path"] == "k8s.io/kubernetes"), v)
+print(re.sub(r"-k3s[0-9.]*$", "", v))')
 echo "== k3s tree: $(sed -n 's/^go //p' go.mod | head -1) go directive, kubernetes $k8s_version"
 
-# 2. Offline: upstream modules for the forks, and the offline-only series.
+# 2. The forks k3s's go.mod replaces: k3s's own where the proxy serves them, stand-ins elsewhere.
 tags_extra=${K3S_BUILD_TAGS_EXTRA:-}
 if [ -n "$offline" ]; then
-  K3S_SRC_DIR=$(dirname "$source") "$repo/build/k3s-offline.sh" "$src" "$work/standins"
-  tags_extra="$tags_extra no_cri_dockerd"
+  K3S_SRC_DIR=${K3S_SRC_DIR:-$repo/../shared/k3s-src} "$repo/build/k3s-forks.sh" "$src" "$work/standins"
+  # An empty module stands in for a refused cri-dockerd fork: build without it, as k3s can.
+  if grep -q '^github.com/k3s-io/cri-dockerd@' "$work/standins/standins"; then tags_extra="$tags_extra no_cri_dockerd"; fi
 fi
 
 # k3s's scripts/build copies these before compiling; its charts come from scripts/download, which
@@ -87,7 +99,7 @@ cp -a manifests/* pkg/deploy/embed/
 
 # 3. Versions, before and after adding the module (with the go directive: a module that needs a
 # newer Go raises it).
-versions() { { echo "go $(go mod edit -json | python3 -c 'import json,sys; print(json.load(sys.stdin)["Go"])')"; go list -m all; } > "$1" 2>"$work/go-list.err" || { cat "$work/go-list.err" >&2; die "go list -m all failed on the k3s tree"; }; }
+versions() { { echo "go $(go mod edit -json | python3 -c 'import json,sys; print(json.load(sys.stdin)["Go"])')"; go list -m -e all; } > "$1" 2>"$work/go-list.err" || { cat "$work/go-list.err" >&2; die "go list -m -e all failed on the k3s tree"; }; }
 versions "$work/versions-k3s.txt"
 go mod edit -require=github.com/k3s-pinning/k3s-pinning@v0.0.0 -replace=github.com/k3s-pinning/k3s-pinning="$repo"
 versions "$work/versions-with-k3s-pinning.txt"

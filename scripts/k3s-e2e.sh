@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
-source=${K3S_SOURCE:-$(ls "$repo"/../shared/k3s-src/k3s-release-*.tar.gz 2>/dev/null | sort -V | tail -1)}
+source=${K3S_SOURCE:-$(build/k3s-newest.sh)}
 [ -n "$source" ] || { echo "make k3s-e2e: no K3S_SOURCE and no k3s archive in ../shared/k3s-src" >&2; exit 1; }
 start=$(date +%s)
 bin=$(K3S_SOURCE=$source bash scripts/build-k3s.sh | tail -1)

@@ -5,7 +5,9 @@
 #    exactly the SERIES files; added Go files are gofmt-clean and use only what this module
 #    exports; and the series applies (git apply --check) to every k3s tree in ../shared/k3s-src
 #    whose commit its SERIES lists under "lines:", and to one at least where there are trees;
-#  - patches/k3s-offline/k3s applies to every k3s tree there;
+#  - each patch of patches/k3s-offline/k3s applies to every k3s tree there whose go.mod replaces a
+#    module with the fork it stands in for (patches/k3s-offline/k3s/WHEN): make k3s applies it the
+#    day the module proxy refuses that fork;
 #  - Dockerfile.k3s installs what k3s's own build environment (Dockerfile.dapper) installs to build
 #    k3s, and builds statically as k3s's CI does;
 #  - make k3s with K3S_VERSION and no network fails fast, saying so.
@@ -18,7 +20,7 @@ k3s_src=${K3S_SRC_DIR:-$repo/../shared/k3s-src}
 
 # The k3s trees here, unpacked once, as git repositories, keyed by the commit their README row names.
 declare -A trees=()
-for archive in "$k3s_src"/k3s-release-*.tar.gz; do
+for archive in "$k3s_src"/k3s-release-*.tar.gz "$k3s_src"/current/k3s-*.tar.gz; do
   [ -f "$archive" ] || continue
   name=$(basename "$archive" .tar.gz)
   short=${name##*-}
@@ -29,6 +31,7 @@ for archive in "$k3s_src"/k3s-release-*.tar.gz; do
 done
 [ ${#trees[@]} -gt 0 ] || echo "note  no k3s archive in $k3s_src: series are checked for form only"
 
+declare -A covered=()
 for dir in patches/k3s/*/; do
   series=$(basename "$dir")
   meta="$dir/SERIES"
@@ -73,6 +76,7 @@ for dir in patches/k3s/*/; do
     grep -q "$short" <<<"$(field lines) $commit" || continue
     (cd "${trees[$short]}" && git apply --check "$repo/$dir"*.patch 2>"$tmp/err") || fail "$series: does not apply to the k3s tree at $short, which its SERIES lists: $(cat "$tmp/err")"
     applied+=("$short")
+    covered[$short]=$series
   done
   if [ ${#applied[@]} -gt 0 ]; then
     echo "ok    $series: $total patches, applies to the k3s trees at ${applied[*]}"
@@ -83,26 +87,44 @@ for dir in patches/k3s/*/; do
   fi
 done
 
+# Every k3s tree here is claimed by a series, or a SERIES says why it is dropped.
 for short in "${!trees[@]}"; do
-  (cd "${trees[$short]}" && git apply --check "$repo"/patches/k3s-offline/k3s/*.patch 2>"$tmp/err") || fail "patches/k3s-offline/k3s does not apply to the k3s tree at $short: $(cat "$tmp/err")"
-  echo "ok    patches/k3s-offline/k3s applies to the k3s tree at $short"
+  [ -z "${covered[$short]:-}" ] || continue
+  why=$(sed -n "s/^dropped: \(.*$short.*\)/\1/p" patches/k3s/*/SERIES | head -1)
+  [ -n "$why" ] || fail "no series lists the k3s tree at $short under lines:, and none says under dropped: why not"
+  echo "note  the k3s tree at $short is not supported: $why"
 done
 
-# Dockerfile.k3s: what k3s's Dockerfile.dapper installs to build k3s (not its release, lint and
-# upload tools), and a static build.
+for p in patches/k3s-offline/k3s/*.patch; do
+  when=$(awk -v p="$(basename "$p")" '$1==p {print $2}' patches/k3s-offline/k3s/WHEN)
+  [ -n "$when" ] || fail "$p: patches/k3s-offline/k3s/WHEN does not say for which refused fork it is applied"
+  for short in "${!trees[@]}"; do
+    if ! grep -q "=> ${when%@*} ${when#*@}" "${trees[$short]}/go.mod"; then
+      echo "ok    $(basename "$p"): not for the k3s tree at $short (no fork $when in its go.mod)"
+      continue
+    fi
+    (cd "${trees[$short]}" && git apply --check "$repo/$p" 2>"$tmp/err") || fail "$p does not apply to the k3s tree at $short, whose go.mod has the fork $when it stands in for: $(cat "$tmp/err")"
+    echo "ok    $(basename "$p") applies to the k3s tree at $short (for the fork $when, when the proxy refuses it)"
+  done
+done
+
+# Dockerfile.k3s: what k3s's build environment installs to build k3s (not its release, lint and
+# upload tools), and a static build. The build environment is Dockerfile.dapper up to 1.34.3, and
+# the infra stage of Dockerfile (apk and xx-apk) on the 2026 trees.
 not_for_building="docker vim less curl wget npm python3 py3-pip pipx openssl-dev libffi-dev mingw-w64-gcc"
 for short in "${!trees[@]}"; do
   dapper=${trees[$short]}/Dockerfile.dapper
+  [ -f "$dapper" ] || dapper=${trees[$short]}/Dockerfile
   [ -f "$dapper" ] || continue
-  pkgs=$(awk '/apk -U --no-cache add/{on=1} on{sub(/&&.*/, ""); print} on && !/\\$/{on=0}' "$dapper" | head -20 | tr ' \\' '\n\n' | grep -E '^[a-z0-9][a-z0-9.+-]*$' | grep -vE '^(apk|add|RUN|true|mingw-w64-gcc)$' | sort -u)
+  pkgs=$(awk '/apk -U --no-cache add|apk -U add|xx-apk add/{on=1} on{sub(/&&.*/, ""); sub(/;.*/, ""); print} on && !/\\$/{on=0}' "$dapper" | head -20 | tr ' \\' '\n\n' | grep -E '^[a-z0-9][a-z0-9.+-]*$' | grep -vE '^(apk|xx-apk|add|RUN|true|mingw-w64-gcc)$' | sort -u)
   for pkg in $pkgs; do
     [[ " $not_for_building " == *" $pkg "* ]] && continue
-    grep -qw -- "$pkg" Dockerfile.k3s || fail "Dockerfile.k3s does not install $pkg, which k3s's Dockerfile.dapper (tree at $short) installs to build k3s"
+    grep -qw -- "$pkg" Dockerfile.k3s || fail "Dockerfile.k3s does not install $pkg, which k3s's $(basename "$dapper") (tree at $short) installs to build k3s"
   done
   golang=$(sed -n 's/^ARG GOLANG=//p' "$dapper")
   grep -q "ARG GOLANG=$golang" Dockerfile.k3s || echo "note  Dockerfile.k3s's GOLANG is not $golang, k3s's at $short (set --build-arg GOLANG for that line)"
   grep -q 'STATIC_BUILD=true' Dockerfile.k3s || fail "Dockerfile.k3s does not build statically (STATIC_BUILD=true), as k3s's CI does"
-  echo "ok    Dockerfile.k3s installs what k3s's Dockerfile.dapper at $short installs to build k3s"
+  echo "ok    Dockerfile.k3s installs what k3s's $(basename "$dapper") at $short installs to build k3s"
 done
 
 # make k3s for a release fails fast, saying what it needs, without network.

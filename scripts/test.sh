@@ -106,9 +106,18 @@ bash scripts/e2e.sh
 echo "== make k3s-patches-check (patches/k3s series well formed; make k3s fails fast offline)"
 bash scripts/k3s-patches-check.sh
 
-echo "== make k3s-e2e (k3s built from ../shared/k3s-src with k3s-pinning, a real k3s node under real disk pressure)"
+echo "== make k3s-e2e (the newest k3s line in ../shared/k3s-src built with k3s-pinning, a real k3s node under real disk pressure)"
 bash scripts/k3s-e2e.sh
+# The release-1.34 line as of v1.34.10 (k3s PR 14266 in it): the series and the e2e on a late patch
+# release of the other supported line.
+k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
+if [ -f "$k3s_134" ]; then
+  echo "== make k3s-e2e K3S_SOURCE=$k3s_134"
+  K3S_SOURCE=$k3s_134 bash scripts/k3s-e2e.sh
+else
+  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e ran on the newest line only ***" >&2
+fi
 
-# patches/kubernetes is compiled and run on kubernetes 1.34 inside the k3s above, and on 1.37 by
+# patches/kubernetes is compiled and run on kubernetes 1.36 and 1.34 inside the k3s above, and on 1.37 by
 # test/kubelet and make e2e; make patches-check checks all four lines (1.34-1.37) and is not in
 # make test, to keep a cold .ci/run within CI's time with the k3s build and make release in it.

@@ -198,6 +198,9 @@ func (h *host) fill(leave int64) string {
 	return path
 }
 
+// toolArchive is the images dir's archive of the tool nobody runs.
+const toolArchive = "tools.tar.zst"
+
 // imageSet names the images an e2e node is given: the images dir holds the sandbox image and the
 // app's (a docker archive, as k3s's air-gap tarball) and a tool nobody runs (zstd OCI archive);
 // each hand import is an archive of its own, imported later with ctr. Every image but the hand
@@ -240,7 +243,7 @@ func (h *host) writeArchives(set imageSet, imagesDir, handDir, sleeperBin string
 	if err := imagetest.WriteDocker(filepath.Join(imagesDir, "airgap-images.tar"), map[string]v1.Image{set.pause: mk(64<<10, true), set.app: mk(24<<20, true)}); err != nil {
 		h.t.Fatal(err)
 	}
-	if err := imagetest.WriteOCI(filepath.Join(imagesDir, "tools.tar.zst"), map[string]any{set.tool: mk(24<<20, true)}); err != nil {
+	if err := imagetest.WriteOCI(filepath.Join(imagesDir, toolArchive), map[string]any{set.tool: mk(24<<20, true)}); err != nil {
 		h.t.Fatal(err)
 	}
 	for i, ref := range set.hand {

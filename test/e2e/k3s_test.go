@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -25,9 +26,11 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/typeurl/v2"
+	"github.com/distribution/reference"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -46,7 +49,6 @@ var k3sHostPaths = []string{k3sRunDir, "/etc/rancher/k3s", "/etc/rancher/node", 
 // the app a Deployment runs, a tool nobody runs; hand imports: one nobody wants, and one named by
 // --pinned-images for each way of giving it (command line, config.yaml, K3S_PINNED_IMAGES).
 const (
-	k3sPauseRef   = "docker.io/rancher/mirrored-pause:3.6"
 	k3sAppRef     = "airgap.example/k3s/app:1.0"
 	k3sToolRef    = "airgap.example/k3s/tool:1.0"
 	handCLIRef    = "registry.example/hand/cli:1.0"
@@ -56,6 +58,9 @@ const (
 	// (--pinned-workload-images).
 	workloadRef = "registry.example/hand/workload:1.0"
 	parkedName  = "parked"
+	// k3sLateRef comes in an archive copied into agent/images while k3s runs.
+	k3sLateRef     = "airgap.example/k3s/late:1.0"
+	k3sLateArchive = "late.tar"
 
 	k3sNodeName = "k3s-e2e"
 	k3sAppName  = "airgap-app"
@@ -67,11 +72,18 @@ const (
 )
 
 var (
-	k3sAirgapRefs = []string{k3sPauseRef, k3sAppRef, k3sToolRef}
+	// k3sPauseRef is the pause image under the k3s line's default name (--pause-image; 3.6 up to
+	// 1.34.3, 3.10.2 on the 2026 lines), the k3s 2961 report's case; k3sBinDir reads it.
+	k3sPauseRef   string
+	k3sAirgapRefs []string
 	k3sHandRefs   = []string{unwantedRef, handCLIRef, handConfigRef, handEnvRef, workloadRef}
 )
 
-// k3sBinDir is make k3s's bin dir (k3s, its multicall links, the containerd shim).
+// pauseDefault is the default of --pause-image in `k3s server --help`.
+var pauseDefault = regexp.MustCompile(`--pause-image value .*\(default: "([^"]+)"\)`)
+
+// k3sBinDir is make k3s's bin dir (k3s, its multicall links, the containerd shim). It reads the
+// line's default pause image from the binary.
 func k3sBinDir(t *testing.T) string {
 	t.Helper()
 	dir := os.Getenv("K3S_E2E_BIN")
@@ -81,6 +93,17 @@ func k3sBinDir(t *testing.T) string {
 	if _, err := os.Stat(filepath.Join(dir, "k3s")); err != nil {
 		t.Fatalf("K3S_E2E_BIN=%s: %v", dir, err)
 	}
+	help, _ := exec.Command(filepath.Join(dir, "k3s"), "server", "--help").CombinedOutput()
+	m := pauseDefault.FindSubmatch(help)
+	if m == nil {
+		t.Fatalf("k3s server --help names no default --pause-image:\n%s", tail(string(help), 5))
+	}
+	named, err := reference.ParseNormalizedNamed(string(m[1]))
+	if err != nil {
+		t.Fatalf("the default --pause-image %q: %v", m[1], err)
+	}
+	k3sPauseRef = named.String()
+	k3sAirgapRefs = []string{k3sPauseRef, k3sAppRef, k3sToolRef}
 	return dir
 }
 
@@ -207,11 +230,25 @@ func (n *k3sNode) k3sServerArgs() []string {
 		"--write-kubeconfig", filepath.Join(n.dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
 		"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
 		"--disable-network-policy", "--disable-kube-proxy", "--disable-cloud-controller", "--disable-helm-controller",
-		"--flannel-backend", "none", "--kubelet-arg", "root-dir=" + filepath.Join(n.dir, "kubelet")}
+		"--flannel-backend", "none", "--kubelet-arg", "root-dir=" + filepath.Join(n.dir, "kubelet"),
+		// No pull ever leaves the machine: every registry is mirrored to a closed loopback port,
+		// without containerd's fallback to the registry itself (a sandbox whose pause image is
+		// gone, with stock k3s, makes the kubelet pull it).
+		"--private-registry", n.registries(), "--disable-default-registry-endpoint"}
 	if !n.pinning {
 		args = append(args, "--disable-image-pinning")
 	}
 	return args
+}
+
+// registries writes the node's registries.yaml: every registry mirrored to 127.0.0.1:9, where
+// nothing listens.
+func (n *k3sNode) registries() string {
+	path := filepath.Join(n.dir, "registries.yaml")
+	if _, err := os.Stat(path); err != nil {
+		n.writeFile(path, "mirrors:\n  \"*\":\n    endpoint:\n      - \"http://127.0.0.1:9\"\n")
+	}
+	return path
 }
 
 // start runs `k3s server` with the common arguments and extra, with env added, and waits until
@@ -516,7 +553,7 @@ type k3sReport struct {
 	afterRestart        map[string]bool // CRI pinned after the restart with .cache.json
 	presentAfterRestart map[string]bool // present a minute after the restart
 	appAfterRestart     string          // the app's pods a minute after the restart
-	seenUnpinned        []string        // pinning mode: air-gap images containerd's events showed unpinned
+	seenUnpinned        []string        // air-gap images containerd's events showed unpinned across the restart(s)
 	evicted             bool            // the app's pod was evicted under pressure
 	evictionActed       bool            // the kubelet's eviction manager acted on the pressure (reclaim, then evict)
 	afterPressure       map[string]bool // present after the kubelet's reclaim
@@ -529,6 +566,10 @@ type k3sReport struct {
 	restoredEvent, lostEvent, lostCondition string
 	workloadDenied                          string // the Event, or NONE
 	clusterExit                             []int  // status --cluster: protected, after a loss, back
+	// at runtime, after the pressure
+	strippedBack string // the app image's CRI pin label removed by hand
+	lateAdded    string // an archive copied into agent/images
+	toolRemoved  string // tools.tar.zst removed from agent/images: its image's pin
 }
 
 func yesNo(b bool, yes, no string) string {
@@ -550,7 +591,7 @@ func printK3sTable(with, stock *k3sReport) {
 	for _, ref := range k3sAirgapRefs {
 		row("14265 pinned after restart (.cache.json): "+ref, yesNo(with.afterRestart[ref], "pinned", "UNPINNED"), yesNo(stock.afterRestart[ref], "pinned", "UNPINNED"))
 	}
-	row("14265 air-gap images seen unpinned (events)", fmt.Sprint(len(with.seenUnpinned)), "-")
+	row("14265 air-gap images seen unpinned across the restart (events)", fmt.Sprint(len(with.seenUnpinned)), fmt.Sprint(len(stock.seenUnpinned)))
 	for _, ref := range k3sAirgapRefs {
 		row("14265 present a minute after the restart: "+ref, yesNo(with.presentAfterRestart[ref], "present", "DELETED"), yesNo(stock.presentAfterRestart[ref], "present", "DELETED"))
 	}
@@ -563,8 +604,11 @@ func printK3sTable(with, stock *k3sReport) {
 	row("--pinned-workload-images without its ClusterRole", yesNo(with.workloadDenied != "", "WorkloadAccessDenied", "NONE"), "-")
 	row("10209 app pods after the pressure", with.appAfter, stock.appAfter)
 	for _, way := range []string{"command line", "config.yaml", "K3S_PINNED_IMAGES"} {
-		row("hand import named by --pinned-images ("+way+")", yesNo(with.policy[way], "pinned", "UNPINNED"), "-")
+		row("hand import named by --pinned-images ("+way+")", yesNo(with.policy[way], "pinned", "UNPINNED"), yesNo(stock.policy[way], "pinned", "UNPINNED (no such flag)"))
 	}
+	row("CRI pin label stripped from the app image", with.strippedBack, stock.strippedBack)
+	row("archive copied into agent/images at runtime", with.lateAdded, stock.lateAdded)
+	row("archive removed from agent/images: its image's pin", with.toolRemoved, stock.toolRemoved)
 	row("k3s-pinning doctor exit code", fmt.Sprint(with.doctorExit), "-")
 	row("Node event after the pause image's restore", yesNo(with.restoredEvent != "", "ImageRestored", "NONE"), "-")
 	row("Node event after a hand import's loss", yesNo(with.lostEvent != "", "ImageLost", "NONE"), "-")
@@ -685,6 +729,10 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 		if n.criPinned(handConfigRef) || n.criPinned(handEnvRef) {
 			t.Errorf("hand imports no flag names are pinned")
 		}
+	} else {
+		// Stock k3s has no such flag: what it does with the same hand imports.
+		time.Sleep(5 * time.Second)
+		r.policy["command line"], r.policy["config.yaml"], r.policy["K3S_PINNED_IMAGES"] = n.criPinned(handCLIRef), n.criPinned(handConfigRef), n.criPinned(handEnvRef)
 	}
 	n.deployApp()
 	n.await(3*time.Minute, "the app's pod Running", n.appRunning)
@@ -718,10 +766,23 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 	if withPinning {
 		n.writeFile(filepath.Join(n.dir, "config.yaml"), "pinned-images:\n  - "+handConfigRef+"\n")
 		extra = []string{"--config", filepath.Join(n.dir, "config.yaml")}
-		n.watchPins()
 	}
+	// Both modes: every air-gap image that containerd's events show unpinned while k3s restarts
+	// (stock k3s clears its pins at start and, since k3s PR 14266, labels an unchanged file's
+	// images again by the names .cache.json recorded).
+	n.watchPins()
 	n.restart(withPinning, extra)
 	time.Sleep(5 * time.Second) // k3s's own import and clearing of pins, if any, run after containerd starts
+	if !withPinning {
+		// Give stock k3s's re-labelling its time: every air-gap image it still holds pinned again.
+		deadline := time.Now().Add(30 * time.Second)
+		for time.Now().Before(deadline) && !n.presentArePinned(k3sAirgapRefs...) {
+			time.Sleep(time.Second)
+		}
+		n.stopEvents()
+		n.stopEvents = nil
+		r.seenUnpinned = slices.Clone(n.seenUnpinned)
+	}
 	r.afterRestart = n.pins(k3sAirgapRefs...)
 	if withPinning {
 		n.await(30*time.Second, "the hand import named in config.yaml pinned", func() bool { return n.criPinned(handConfigRef) })
@@ -785,6 +846,17 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 	if !withPinning && r.afterPressure[workloadRef] {
 		t.Errorf("without --pinned-workload-images, %s (unused: its Deployment is scaled to 0) survived the reclaim", workloadRef)
 	}
+	n.runtimeChanges(r)
+	if withPinning {
+		for what, got := range map[string]string{"the stripped pin label": r.strippedBack, "the archive added at runtime": r.lateAdded} {
+			if !strings.HasPrefix(got, "pinned in") {
+				t.Errorf("%s: %s", what, got)
+			}
+		}
+		if !strings.HasPrefix(r.toolRemoved, "released in") {
+			t.Errorf("the archive removed at runtime: its image %s", r.toolRemoved)
+		}
+	}
 	if withPinning {
 		n.clusterView(r, handEnvRef)
 	} else {
@@ -796,6 +868,83 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
 		}
 	}
 
+}
+
+// labelPinned says whether containerd's record of ref carries the CRI pin label (what the CRI's
+// view, which lags it by a moment, follows).
+func (n *k3sNode) labelPinned(ref string) bool {
+	img, err := n.client.ImageService().Get(n.ctx, ref)
+	return err == nil && img.Labels[pinning.LabelPinned] == pinning.PinnedValue
+}
+
+// presentArePinned says whether every one of refs that containerd holds is CRI pinned.
+func (n *k3sNode) presentArePinned(refs ...string) bool {
+	for ref, present := range n.present(refs...) {
+		if present && !n.criPinned(ref) {
+			return false
+		}
+	}
+	return true
+}
+
+// runtimeChanges are what an operator (or a script) does to a running node: the CRI pin label
+// stripped from an image by hand, an archive copied into agent/images, an archive removed from it.
+// It records, per change, what the node did within 30 s, read from containerd's labels (the CRI's
+// view follows them; on containerd 2.3 it was seen to keep showing a stripped image pinned).
+func (n *k3sNode) runtimeChanges(r *k3sReport) {
+	n.t.Helper()
+	within := func(what string, cond func() bool) string {
+		start := time.Now()
+		for time.Since(start) < 30*time.Second {
+			if cond() {
+				return fmt.Sprintf("%s in %.1f s", what, time.Since(start).Seconds())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return ""
+	}
+
+	// The CRI pin label removed from the app's image (a typo'd script, an operator's cleanup).
+	img, err := n.client.ImageService().Get(n.ctx, k3sAppRef)
+	if err != nil {
+		n.t.Fatalf("the app image before the strip: %v", err)
+	}
+	delete(img.Labels, pinning.LabelPinned)
+	if _, err := n.client.ImageService().Update(n.ctx, img, "labels."+pinning.LabelPinned); err != nil {
+		n.t.Fatal(err)
+	}
+	r.strippedBack = within("pinned", func() bool { return n.labelPinned(k3sAppRef) })
+	if r.strippedBack == "" {
+		r.strippedBack = "UNPINNED after 30 s"
+	}
+
+	// An archive copied in while k3s runs (written beside, then renamed in, as cp to a temporary
+	// name and mv would).
+	late, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	tmp := filepath.Join(n.dir, k3sLateArchive) // the same filesystem as agent/images
+	if err := imagetest.WriteOCI(tmp, map[string]any{k3sLateRef: late}); err != nil {
+		n.t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(n.imagesDir, k3sLateArchive)); err != nil {
+		n.t.Fatal(err)
+	}
+	r.lateAdded = within("pinned", func() bool { return n.labelPinned(k3sLateRef) })
+	if r.lateAdded == "" {
+		r.lateAdded = yesNo(n.present(k3sLateRef)[k3sLateRef], "imported, UNPINNED after 30 s", "NOT IMPORTED after 30 s")
+	}
+
+	// The tool's archive removed (to save disk, or because the tool is retired): nothing wants its
+	// image any more, so it should be the kubelet's to collect.
+	if err := os.Remove(filepath.Join(n.imagesDir, toolArchive)); err != nil {
+		n.t.Fatal(err)
+	}
+	r.toolRemoved = within("released", func() bool { return !n.labelPinned(k3sToolRef) })
+	if r.toolRemoved == "" {
+		r.toolRemoved = "still PINNED after 30 s"
+	}
 }
 
 // grepLines is the lines of s that contain substr.
