@@ -186,9 +186,22 @@ for _ in $(seq 1 20); do
   override=$(awk -v key="$mod@$version" -v mod="$mod" '!/^#/ && NF >= 3 && index(key, $1) == 1 && $2 == mod {$1 = ""; $2 = ""; print; exit}' "$repo/build/k3s-standins.overrides")
   if [ -n "$override" ]; then
     read -r next why <<<"$override"
-    go mod edit -replace="$mod=$mod@$next"
     echo "$mod@$version" >> "$standins/standins"
-    echo "stand-in: $mod: $version refused by the module proxy -> $next ($why)"
+    adapt=$repo/patches/k3s-offline/$(basename "$mod")
+    if [ -d "$adapt" ]; then
+      # A stand-in that needs adapting to the line's kubernetes: a local copy with those patches.
+      dir=$standins/$(basename "$mod")
+      rm -rf "$dir"; cp -a "$( (cd "$standins" && GOWORK=off go mod download -json "$mod@$next") | python3 -c 'import json,sys; print(json.load(sys.stdin).get("Dir") or "")')" "$dir" || die "the module proxy does not serve $mod@$next"
+      chmod -R u+w "$dir"
+      for p in "$adapt"/*.patch; do
+        (cd "$dir" && GIT_CEILING_DIRECTORIES=$standins git apply "$p") || die "$(basename "$p") does not apply to $mod $next"
+      done
+      go mod edit -replace="$mod=$dir"
+      echo "stand-in: $mod: $version refused by the module proxy -> $next, local copy with patches/k3s-offline/$(basename "$mod") ($why)"
+    else
+      go mod edit -replace="$mod=$mod@$next"
+      echo "stand-in: $mod: $version refused by the module proxy -> $next ($why)"
+    fi
     continue
   fi
   # The first served version of the same minor after the refused one, by semver (a pseudo-version
