@@ -236,12 +236,14 @@ for d in "$standins"/*/; do
 done
 
 # The offline patches to k3s, each for a fork that was refused (patches/k3s-offline/k3s/WHEN).
-while read -r patch when; do
+while read -r patch whens; do
   case "$patch" in ''|'#'*) continue;; esac
-  path=${when%@*} prefix=${when#*@}
-  grep -q "^$path@$prefix" "$standins/standins" || continue
-  p=$repo/patches/k3s-offline/k3s/$patch
-  git apply --check "$p" 2>/dev/null || die "$patch (for the refused fork $when) does not apply to this k3s tree"
-  git am --quiet "$p"
-  echo "stand-in: patch $patch applied to k3s (the fork $when is refused)"
+  for when in $whens; do
+    grep -q "^${when%@*}@${when#*@}" "$standins/standins" || continue
+    p=$repo/patches/k3s-offline/k3s/$patch
+    git apply --check "$p" 2>/dev/null || die "$patch (for the refused fork $when) does not apply to this k3s tree"
+    git am --quiet "$p"
+    echo "stand-in: patch $patch applied to k3s (the fork $when is refused)"
+    break
+  done
 done < "$repo/patches/k3s-offline/k3s/WHEN"

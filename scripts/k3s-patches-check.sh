@@ -96,11 +96,13 @@ for short in "${!trees[@]}"; do
 done
 
 for p in patches/k3s-offline/k3s/*.patch; do
-  when=$(awk -v p="$(basename "$p")" '$1==p {print $2}' patches/k3s-offline/k3s/WHEN)
-  [ -n "$when" ] || fail "$p: patches/k3s-offline/k3s/WHEN does not say for which refused fork it is applied"
+  whens=$(awk -v p="$(basename "$p")" '$1==p {$1=""; print}' patches/k3s-offline/k3s/WHEN)
+  [ -n "$whens" ] || fail "$p: patches/k3s-offline/k3s/WHEN does not say for which refused fork it is applied"
   for short in "${!trees[@]}"; do
-    if ! grep -q "=> ${when%@*} ${when#*@}" "${trees[$short]}/go.mod"; then
-      echo "ok    $(basename "$p"): not for the k3s tree at $short (no fork $when in its go.mod)"
+    when=""
+    for w in $whens; do grep -q "=> ${w%@*} ${w#*@}" "${trees[$short]}/go.mod" && when=$w; done
+    if [ -z "$when" ]; then
+      echo "ok    $(basename "$p"): not for the k3s tree at $short (none of the forks$whens in its go.mod)"
       continue
     fi
     (cd "${trees[$short]}" && git apply --check "$repo/$p" 2>"$tmp/err") || fail "$p does not apply to the k3s tree at $short, whose go.mod has the fork $when it stands in for: $(cat "$tmp/err")"
