@@ -68,12 +68,19 @@ func TestPlan(t *testing.T) {
 		{name: "an archive that left wants nothing, even with its record and our pin",
 			in:   planInput{recorded: map[string]*ArchiveState{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
 			asks: []ask{{image(appA.Ref, pinning.PinLabels("gone.tar")), ""}}},
-		{name: "our pin: a retag of an archive still present, or a manual pin, stays wanted",
+		{name: "our pin: a reference of an archive still present whose load is not recorded yet, or a manual pin, stays wanted",
 			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
 			asks: []ask{
 				{image("acc.example/retag:1", pinning.PinLabels("a.tar")), "a.tar"},
 				{image("acc.example/hand:1", pinning.PinLabels(pinning.SourceManual)), pinning.SourceManual},
 				{image("acc.example/old:1", pinning.PinLabels(pinning.SourcePolicy)), ""},
+			}},
+		{name: "an archive whose load is recorded wants what it provides, not what it pinned before (issue 23)",
+			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
+				recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+			asks: []ask{
+				{image("docker.io/library/app@"+manifestA.String(), pinning.PinLabels("a.tar")), "a.tar"},
+				{image("docker.io/library/app@"+testDigest("previous-manifest").String(), pinning.PinLabels("a.tar")), ""},
 			}},
 		{name: "someone else's pin is not a reason of ours",
 			asks: []ask{{image("acc.example/theirs:1", map[string]string{pinning.LabelPinned: pinning.PinnedValue}), ""}}},
@@ -156,8 +163,9 @@ func TestPlanHeir(t *testing.T) {
 }
 
 // TestKeeperIsThePlan: the kubelet's filter keeps what the plan wants, by every name the CRI
-// lists an image under (tag, repo@digest, the sha256 image ID record), and nothing else; a zero
-// Keeper keeps nothing rather than panicking.
+// lists an image under (tag, repo@digest, the sha256 image ID record), and nothing else: not a
+// name an archive whose load is recorded pinned once and no longer provides (issue 23's stale
+// digest reference), nor its image ID record; a zero Keeper keeps nothing rather than panicking.
 func TestKeeperIsThePlan(t *testing.T) {
 	if (&Keeper{}).Keep("sha256:x", []string{"a:1"}, nil) {
 		t.Error("a zero Keeper keeps an image")
@@ -167,10 +175,12 @@ func TestKeeperIsThePlan(t *testing.T) {
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
 	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
 		recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
-	retag := image("acc.example/retag:1", pinning.PinLabels("a.tar"))
-	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: retag.Target}
+	appImg := image(app.Ref, pinning.PinLabels("a.tar"))
+	stale := image("acc.example/stale:1", pinning.PinLabels("a.tar"))
+	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: appImg.Target}
+	staleID := images.Image{Name: "sha256:" + testDigest("stale-config").Encoded(), Target: stale.Target}
 	k := &Keeper{}
-	k.publish(plan, []images.Image{retag, idRecord, image("acc.example/other:1", nil)})
+	k.publish(plan, []images.Image{appImg, stale, idRecord, staleID, image("acc.example/other:1", nil)})
 	for _, c := range []struct {
 		id          string
 		tags, dgsts []string
@@ -178,8 +188,9 @@ func TestKeeperIsThePlan(t *testing.T) {
 	}{
 		{"sha256:1", []string{app.Ref}, nil, true},
 		{"sha256:2", nil, []string{"docker.io/library/app@" + manifest.String()}, true},
-		{"sha256:3", []string{"acc.example/retag:1"}, nil, true},
+		{"sha256:3", []string{"acc.example/stale:1"}, nil, false},
 		{idRecord.Name, nil, nil, true},
+		{staleID.Name, nil, nil, false},
 		{"sha256:4", []string{"registry.local/tool:9"}, nil, true},
 		{"sha256:5", []string{"acc.example/other:1"}, nil, false},
 	} {
