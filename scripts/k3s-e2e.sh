@@ -2,6 +2,7 @@
 # make k3s-e2e: build k3s with k3s-pinning in it (make k3s, from K3S_SOURCE, by default the newest
 # k3s line in ../shared/k3s-src), then run a real k3s node through the scenarios of
 # test/e2e/k3s_test.go, with pinning and with --disable-image-pinning, and print their table.
+# K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s*).
 # Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +15,4 @@ echo "== make k3s: $(( $(date +%s) - start )) s"
 export K3S_E2E_BIN=$(dirname "$bin")
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
-GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run '^TestK3s' .
+GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run "${K3S_E2E_RUN:-^TestK3s}" .
