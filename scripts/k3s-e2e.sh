@@ -2,17 +2,23 @@
 # make k3s-e2e: build k3s with k3s-pinning in it (make k3s, from K3S_SOURCE, by default the newest
 # k3s line in ../shared/k3s-src), then run a real k3s node through the scenarios of
 # test/e2e/k3s_test.go, with pinning and with --disable-image-pinning, and print their table.
-# K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s*).
+# K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s*); K3S_E2E_BIN, a bin dir
+# make k3s built, skips the build.
 # Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 source=${K3S_SOURCE:-$(build/k3s-newest.sh)}
 [ -n "$source" ] || { echo "make k3s-e2e: no K3S_SOURCE and no k3s archive in ../shared/k3s-src" >&2; exit 1; }
-start=$(date +%s)
-bin=$(K3S_SOURCE=$source bash scripts/build-k3s.sh | tail -1)
-echo "== make k3s: $(( $(date +%s) - start )) s"
-export K3S_E2E_BIN=$(dirname "$bin")
+if [ -z "${K3S_E2E_BIN:-}" ]; then
+  start=$(date +%s)
+  log=$(mktemp)
+  K3S_SOURCE=$source bash scripts/build-k3s.sh > "$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+  grep -E '^(== |fork:|stand-in:|offline)' "$log" | grep -v '^fork:' || true   # the decisions that are not k3s's own forks
+  bin=$(tail -1 "$log"); rm -f "$log"
+  echo "== make k3s: $(( $(date +%s) - start )) s"
+  export K3S_E2E_BIN=$(dirname "$bin")
+fi
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
 GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run "${K3S_E2E_RUN:-^TestK3s}" .
