@@ -13,8 +13,10 @@ phase() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 # A /run/k3s that was there before (a k3s of the machine) is not the tests' to judge.
 had_run_k3s=$([ -e /run/k3s ] && echo yes || echo no)
 
+# leaks [rc]: the exit code so far is $? (as the EXIT trap), or the argument when a trap that ran
+# commands first passes it on.
 leaks() {
-  local rc=$?
+  local rc=${1:-$?}
   if pgrep -f 'k3s-pinning/containerd-.*/containerd --config' >/dev/null; then
     echo "FAIL: a test left a containerd running:" >&2
     pgrep -af 'k3s-pinning/containerd-.*/containerd --config' >&2
@@ -126,8 +128,16 @@ if [ -f "$k3s_134" ]; then
   build_134_log=$(mktemp)
   K3S_SOURCE=$k3s_134 bash scripts/build-k3s.sh > "$build_134_log" 2>&1 &
   build_134=$!
-  # On a failure, the background build is stopped before the leak check (which keeps the exit code).
-  trap 'rc=$?; kill $build_134 2>/dev/null; wait $build_134 2>/dev/null; (exit $rc); leaks' EXIT
+  # On a failure, the background build is stopped before the leak check, which keeps the exit code.
+  # Under set -e every command here must succeed: the build has usually ended (kill fails), and a
+  # failing command in an EXIT trap would end the script with its status, skipping the leak check.
+  stop_build_134() {
+    local rc=$?
+    kill "$build_134" 2>/dev/null || true
+    wait "$build_134" 2>/dev/null || true
+    leaks "$rc"
+  }
+  trap stop_build_134 EXIT
 else
   echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
 fi
@@ -137,10 +147,10 @@ if [ -n "$build_134" ]; then
   phase "waiting for make k3s K3S_SOURCE=$k3s_134"
   wait "$build_134" || { cat "$build_134_log"; echo "make k3s K3S_SOURCE=$k3s_134 failed" >&2; exit 1; }
   grep -E '^(== |stand-in:)' "$build_134_log" || true
-  # TestK3sNode (every scenario, patched and stock); the wrapper, bad-flag and daemon tests ran on
-  # the newest line above.
-  phase "make k3s-e2e K3S_SOURCE=$k3s_134 K3S_E2E_RUN='^TestK3sNode\$'"
-  K3S_E2E_BIN=$(dirname "$(tail -1 "$build_134_log")") K3S_E2E_RUN='^TestK3sNode$' bash scripts/k3s-e2e.sh
+  # Every scenario once, with k3s-pinning (the stock column, the wrapper, bad-flag and daemon tests
+  # ran on the newest line above; make k3s-e2e K3S_SOURCE=... runs both columns on this line).
+  phase "make k3s-e2e K3S_SOURCE=$k3s_134 K3S_E2E_RUN='^TestK3sNode\$/^with-k3s-pinning\$'"
+  K3S_E2E_BIN=$(dirname "$(tail -1 "$build_134_log")") K3S_E2E_RUN='^TestK3sNode$/^with-k3s-pinning$' bash scripts/k3s-e2e.sh
 fi
 
 # patches/kubernetes is compiled and run on kubernetes 1.36 and 1.34 inside the k3s above, and on 1.37 by

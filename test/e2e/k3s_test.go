@@ -580,41 +580,57 @@ func yesNo(b bool, yes, no string) string {
 	return no
 }
 
+// printK3sTable prints one table for both modes; a mode that did not run (make test runs the
+// second k3s line with k3s-pinning only) is a column of "not run".
 func printK3sTable(with, stock *k3sReport) {
 	var b strings.Builder
-	row := func(what, a, s string) { fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, a, s) }
+	cell := func(r *k3sReport, f func(*k3sReport) string) string {
+		if r == nil {
+			return "not run"
+		}
+		return f(r)
+	}
+	row := func(what string, f func(*k3sReport) string) {
+		fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, cell(with, f), cell(stock, f))
+	}
+	// withOnly: a row only the pinning mode has (stock k3s has no such feature).
+	withOnly := func(what string, f func(*k3sReport) string) {
+		fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, cell(with, f), "-")
+	}
 	b.WriteString("\n---- k3s e2e: the patched k3s, with k3s-pinning and with --disable-image-pinning (stock k3s)\n")
-	row("", "WITH K3S-PINNING", "--disable-image-pinning")
+	fmt.Fprintf(&b, "%-72s %-28s %-28s\n", "", "WITH K3S-PINNING", "--disable-image-pinning")
 	for _, ref := range k3sAirgapRefs {
-		row("pinned after first start: "+ref, yesNo(with.afterStart[ref], "pinned", "UNPINNED"), yesNo(stock.afterStart[ref], "pinned", "UNPINNED"))
+		row("pinned after first start: "+ref, func(r *k3sReport) string { return yesNo(r.afterStart[ref], "pinned", "UNPINNED") })
 	}
-	row("2961 pause image after crictl rmi", with.rmiBack, stock.rmiBack)
+	row("2961 pause image after crictl rmi", func(r *k3sReport) string { return r.rmiBack })
 	for _, ref := range k3sAirgapRefs {
-		row("14265 pinned after restart (.cache.json): "+ref, yesNo(with.afterRestart[ref], "pinned", "UNPINNED"), yesNo(stock.afterRestart[ref], "pinned", "UNPINNED"))
+		row("14265 pinned after restart (.cache.json): "+ref, func(r *k3sReport) string { return yesNo(r.afterRestart[ref], "pinned", "UNPINNED") })
 	}
-	row("14265 air-gap images seen unpinned across the restart (events)", fmt.Sprint(len(with.seenUnpinned)), fmt.Sprint(len(stock.seenUnpinned)))
+	row("14265 air-gap images seen unpinned across the restart (events)", func(r *k3sReport) string { return fmt.Sprint(len(r.seenUnpinned)) })
 	for _, ref := range k3sAirgapRefs {
-		row("14265 present a minute after the restart: "+ref, yesNo(with.presentAfterRestart[ref], "present", "DELETED"), yesNo(stock.presentAfterRestart[ref], "present", "DELETED"))
+		row("14265 present a minute after the restart: "+ref, func(r *k3sReport) string { return yesNo(r.presentAfterRestart[ref], "present", "DELETED") })
 	}
-	row("14265 app pods a minute after the restart", with.appAfterRestart, stock.appAfterRestart)
-	row("10209 pressure to the unwanted image reclaimed", with.reclaimDuration.Round(100*time.Millisecond).String(), stock.reclaimDuration.Round(100*time.Millisecond).String())
-	row("10209 app pod evicted under disk pressure", yesNo(with.evicted, "evicted", "not evicted"), yesNo(stock.evicted, "evicted", "not evicted"))
+	row("14265 app pods a minute after the restart", func(r *k3sReport) string { return r.appAfterRestart })
+	row("10209 pressure to the unwanted image reclaimed", func(r *k3sReport) string { return r.reclaimDuration.Round(100 * time.Millisecond).String() })
+	row("10209 app pod evicted under disk pressure", func(r *k3sReport) string { return yesNo(r.evicted, "evicted", "not evicted") })
 	for _, ref := range append(slices.Clone(k3sAirgapRefs), unwantedRef, workloadRef) {
-		row("10209 present after the kubelet's reclaim: "+ref, yesNo(with.afterPressure[ref], "present", "DELETED"), yesNo(stock.afterPressure[ref], "present", "DELETED"))
+		row("10209 present after the kubelet's reclaim: "+ref, func(r *k3sReport) string { return yesNo(r.afterPressure[ref], "present", "DELETED") })
 	}
-	row("--pinned-workload-images without its ClusterRole", yesNo(with.workloadDenied != "", "WorkloadAccessDenied", "NONE"), "-")
-	row("10209 app pods after the pressure", with.appAfter, stock.appAfter)
+	withOnly("--pinned-workload-images without its ClusterRole", func(r *k3sReport) string { return yesNo(r.workloadDenied != "", "WorkloadAccessDenied", "NONE") })
+	row("10209 app pods after the pressure", func(r *k3sReport) string { return r.appAfter })
 	for _, way := range []string{"command line", "config.yaml", "K3S_PINNED_IMAGES"} {
-		row("hand import named by --pinned-images ("+way+")", yesNo(with.policy[way], "pinned", "UNPINNED"), yesNo(stock.policy[way], "pinned", "UNPINNED (no such flag)"))
+		row("hand import named by --pinned-images ("+way+")", func(r *k3sReport) string {
+			return yesNo(r.policy[way], "pinned", yesNo(r == with, "UNPINNED", "UNPINNED (no such flag)"))
+		})
 	}
-	row("CRI pin label stripped from the app image", with.strippedBack, stock.strippedBack)
-	row("archive copied into agent/images at runtime", with.lateAdded, stock.lateAdded)
-	row("archive removed from agent/images: its image's pin", with.toolRemoved, stock.toolRemoved)
-	row("k3s-pinning doctor exit code", fmt.Sprint(with.doctorExit), "-")
-	row("Node event after the pause image's restore", yesNo(with.restoredEvent != "", "ImageRestored", "NONE"), "-")
-	row("Node event after a hand import's loss", yesNo(with.lostEvent != "", "ImageLost", "NONE"), "-")
-	row("node condition after the loss", strings.SplitN(with.lostCondition, ":", 2)[0], "-")
-	row("status --cluster exit: protected, lost, back", fmt.Sprint(with.clusterExit), fmt.Sprint(stock.clusterExit))
+	row("CRI pin label stripped from the app image", func(r *k3sReport) string { return r.strippedBack })
+	row("archive copied into agent/images at runtime", func(r *k3sReport) string { return r.lateAdded })
+	row("archive removed from agent/images: its image's pin", func(r *k3sReport) string { return r.toolRemoved })
+	withOnly("k3s-pinning doctor exit code", func(r *k3sReport) string { return fmt.Sprint(r.doctorExit) })
+	withOnly("Node event after the pause image's restore", func(r *k3sReport) string { return yesNo(r.restoredEvent != "", "ImageRestored", "NONE") })
+	withOnly("Node event after a hand import's loss", func(r *k3sReport) string { return yesNo(r.lostEvent != "", "ImageLost", "NONE") })
+	withOnly("node condition after the loss", func(r *k3sReport) string { return strings.SplitN(r.lostCondition, ":", 2)[0] })
+	row("status --cluster exit: protected, lost, back", func(r *k3sReport) string { return fmt.Sprint(r.clusterExit) })
 	fmt.Fprint(os.Stdout, b.String())
 }
 
@@ -630,9 +646,6 @@ func recordK3sReport(withPinning bool, r *k3sReport) {
 		k3sReports.with = r
 	} else {
 		k3sReports.stock = r
-	}
-	if k3sReports.with != nil && k3sReports.stock != nil {
-		printK3sTable(k3sReports.with, k3sReports.stock)
 	}
 }
 
@@ -710,6 +723,12 @@ func TestK3sNode(t *testing.T) {
 	bin := k3sBinDir(t)
 	t.Run("with-k3s-pinning", func(t *testing.T) { runK3sScenarios(t, bin, true) })
 	t.Run("disable-image-pinning", func(t *testing.T) { runK3sScenarios(t, bin, false) })
+	// The subtests run one after the other: both columns (or the one -run chose) are in.
+	k3sReports.Lock()
+	defer k3sReports.Unlock()
+	if k3sReports.with != nil || k3sReports.stock != nil {
+		printK3sTable(k3sReports.with, k3sReports.stock)
+	}
 }
 
 func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
