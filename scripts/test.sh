@@ -27,9 +27,17 @@ leaks() {
     grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts >&2
     rc=1
   fi
-  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-'; then
+  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-'; then
     echo "FAIL: a test left a loop device behind:" >&2
-    losetup -a | grep 'k3s-pinning-e2e-' >&2
+    losetup -a | grep 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-' >&2
+    rc=1
+  fi
+  # A pod's processes outlive a shim killed with SIGKILL; they hold the node's ext4 (and so its
+  # loop device) in their mount namespace.
+  left=$(find /sys/fs/cgroup -path '*kubepods*' -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u | tr '\n' ' ')
+  if [ -n "${left// /}" ]; then
+    echo "FAIL: a test left pod processes in the kubelet's cgroups: $left" >&2
+    ps -o pid,etime,cmd -p "$(xargs <<<"$left" | tr " " ",")" >&2 || true
     rc=1
   fi
   if pgrep -f 'k3s-pinning/e2e/e2e-node' >/dev/null; then

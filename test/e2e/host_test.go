@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -106,19 +108,55 @@ func (h *host) stopPods() {
 	}
 }
 
-// releaseMounts unmounts everything below h.dir, detaches the loop device and removes the
-// kubelet's cgroups (cgroupfs driver; rmdir removes only empty ones, deepest first).
+// releaseMounts kills what is left in the kubelet's cgroups, unmounts everything below h.dir,
+// detaches the loop device and removes the kubelet's cgroups (cgroupfs driver; rmdir removes only
+// empty ones, deepest first).
 func (h *host) releaseMounts() {
-	containerdtest.UnmountUnder(h.dir)
-	if h.loop != "" {
-		exec.Command("losetup", "-d", h.loop).Run()
-	}
 	dirs, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods")
 	if more, _ := filepath.Glob("/sys/fs/cgroup/kubepods"); len(more) > 0 {
 		dirs = append(dirs, more...)
 	}
+	killCgroupProcs(dirs)
+	containerdtest.UnmountUnder(h.dir)
+	if h.loop != "" {
+		exec.Command("losetup", "-d", h.loop).Run()
+	}
 	for _, d := range dirs {
 		exec.Command("find", d, "-depth", "-type", "d", "-exec", "rmdir", "{}", ";").Run()
+	}
+}
+
+// killCgroupProcs SIGKILLs every process in the cgroup trees under dirs and waits (10 s at most)
+// for them to go. A pod's containers outlive a shim killed with SIGKILL (they are reparented to
+// init): seen once, two pause processes of a sandbox the kubelet created during the node's
+// teardown, which also held the node's ext4 (their mount namespace) and so its loop device.
+func killCgroupProcs(dirs []string) {
+	procs := func() []int {
+		var pids []int
+		for _, d := range dirs {
+			filepath.WalkDir(d, func(path string, e fs.DirEntry, err error) error {
+				if err != nil || e.Name() != "cgroup.procs" {
+					return nil
+				}
+				data, _ := os.ReadFile(path)
+				for _, f := range strings.Fields(string(data)) {
+					if pid, err := strconv.Atoi(f); err == nil {
+						pids = append(pids, pid)
+					}
+				}
+				return nil
+			})
+		}
+		return pids
+	}
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		pids := procs()
+		if len(pids) == 0 {
+			return
+		}
+		for _, pid := range pids {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
 	}
 }
 
