@@ -34,6 +34,7 @@ leaks() {
   fi
   # A pod's processes outlive a shim killed with SIGKILL; they hold the node's ext4 (and so its
   # loop device) in their mount namespace.
+  local left
   left=$(find /sys/fs/cgroup -path '*kubepods*' -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u | tr '\n' ' ')
   if [ -n "${left// /}" ]; then
     echo "FAIL: a test left pod processes in the kubelet's cgroups: $left" >&2

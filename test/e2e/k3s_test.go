@@ -590,15 +590,14 @@ func printK3sTable(with, stock *k3sReport) {
 		}
 		return f(r)
 	}
+	const format = "%-72s %-28s %-28s\n"
 	row := func(what string, f func(*k3sReport) string) {
-		fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, cell(with, f), cell(stock, f))
+		fmt.Fprintf(&b, format, what, cell(with, f), cell(stock, f))
 	}
 	// withOnly: a row only the pinning mode has (stock k3s has no such feature).
-	withOnly := func(what string, f func(*k3sReport) string) {
-		fmt.Fprintf(&b, "%-72s %-28s %-28s\n", what, cell(with, f), "-")
-	}
+	withOnly := func(what string, f func(*k3sReport) string) { fmt.Fprintf(&b, format, what, cell(with, f), "-") }
 	b.WriteString("\n---- k3s e2e: the patched k3s, with k3s-pinning and with --disable-image-pinning (stock k3s)\n")
-	fmt.Fprintf(&b, "%-72s %-28s %-28s\n", "", "WITH K3S-PINNING", "--disable-image-pinning")
+	fmt.Fprintf(&b, format, "", "WITH K3S-PINNING", "--disable-image-pinning")
 	for _, ref := range k3sAirgapRefs {
 		row("pinned after first start: "+ref, func(r *k3sReport) string { return yesNo(r.afterStart[ref], "pinned", "UNPINNED") })
 	}
@@ -632,21 +631,6 @@ func printK3sTable(with, stock *k3sReport) {
 	withOnly("node condition after the loss", func(r *k3sReport) string { return strings.SplitN(r.lostCondition, ":", 2)[0] })
 	row("status --cluster exit: protected, lost, back", func(r *k3sReport) string { return fmt.Sprint(r.clusterExit) })
 	fmt.Fprint(os.Stdout, b.String())
-}
-
-var k3sReports struct {
-	sync.Mutex
-	with, stock *k3sReport
-}
-
-func recordK3sReport(withPinning bool, r *k3sReport) {
-	k3sReports.Lock()
-	defer k3sReports.Unlock()
-	if withPinning {
-		k3sReports.with = r
-	} else {
-		k3sReports.stock = r
-	}
 }
 
 func (n *k3sNode) pins(refs ...string) map[string]bool {
@@ -721,20 +705,21 @@ func (n *k3sNode) rmiPause(r *k3sReport) {
 // TestK3sNode runs the scenarios on the patched k3s, with pinning and without.
 func TestK3sNode(t *testing.T) {
 	bin := k3sBinDir(t)
-	t.Run("with-k3s-pinning", func(t *testing.T) { runK3sScenarios(t, bin, true) })
-	t.Run("disable-image-pinning", func(t *testing.T) { runK3sScenarios(t, bin, false) })
-	// The subtests run one after the other: both columns (or the one -run chose) are in.
-	k3sReports.Lock()
-	defer k3sReports.Unlock()
-	if k3sReports.with != nil || k3sReports.stock != nil {
-		printK3sTable(k3sReports.with, k3sReports.stock)
+	// Each subtest fills its column, also when it fails; they run one after the other, and -run may
+	// choose one.
+	var with, stock *k3sReport
+	t.Run("with-k3s-pinning", func(t *testing.T) { runK3sScenarios(t, bin, true, &with) })
+	t.Run("disable-image-pinning", func(t *testing.T) { runK3sScenarios(t, bin, false, &stock) })
+	if with != nil || stock != nil {
+		printK3sTable(with, stock)
 	}
 }
 
-func runK3sScenarios(t *testing.T, bin string, withPinning bool) {
+// runK3sScenarios runs every scenario in one mode; *report is its column of the table.
+func runK3sScenarios(t *testing.T, bin string, withPinning bool, report **k3sReport) {
 	n := newK3sNode(t, bin, withPinning)
 	r := &k3sReport{policy: map[string]bool{}}
-	defer recordK3sReport(withPinning, r)
+	defer func() { *report = r }()
 
 	// First start; the hand imports come after it, as an operator's would.
 	var extra []string
