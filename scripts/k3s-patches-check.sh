@@ -95,6 +95,38 @@ for short in "${!trees[@]}"; do
   echo "note  the k3s tree at $short is not supported: $why"
 done
 
+# The module's dependency floor fits every supported tree: no module of this go.mod is required at a
+# version above the one the tree's go.mod selects (unless the tree replaces it: then k3s's replace
+# decides). make k3s checks the full selection (build/k3s-versions-check.sh) but needs each line's
+# module downloads; this catches a raised require without them (containerd/platforms rc.2 above
+# v1.34.3's rc.1 went unseen from the first commit until 80b11e874 was built with its forks).
+for short in "${!covered[@]}"; do
+  go mod edit -json "${trees[$short]}/go.mod" > "$tmp/k3s-go.mod.json"
+  go mod edit -json go.mod | python3 -c '
+import json, sys
+def key(v):
+    v = v[1:].split("+")[0]
+    main, _, pre = v.partition("-")
+    nums = tuple(int(x) for x in main.split("."))
+    if not pre:
+        return (nums, 1, ())
+    return (nums, 0, tuple((0, int(i), "") if i.isdigit() else (1, 0, i) for i in pre.split(".")))
+ours = json.load(sys.stdin)
+k3s = json.load(open(sys.argv[1]))
+replaced = {r["Old"]["Path"] for r in k3s.get("Replace") or []}
+selected = {r["Path"]: r["Version"] for r in k3s.get("Require") or []}
+above = []
+for r in ours.get("Require") or []:
+    path, version = r["Path"], r["Version"]
+    if path in selected and path not in replaced and key(version) > key(selected[path]):
+        above.append(f"{path} {version} (k3s: {selected[path]})")
+if above:
+    print("\n".join(above))
+    sys.exit(1)
+' "$tmp/k3s-go.mod.json" > "$tmp/above" || fail "go.mod requires more than the k3s tree at $short selects (make k3s would fail): $(tr '\n' ';' < "$tmp/above")"
+  echo "ok    go.mod requires no module above what the k3s tree at $short selects"
+done
+
 for p in patches/k3s-offline/k3s/*.patch; do
   whens=$(awk -v p="$(basename "$p")" '$1==p {$1=""; print}' patches/k3s-offline/k3s/WHEN)
   [ -n "$whens" ] || fail "$p: patches/k3s-offline/k3s/WHEN does not say for which refused fork it is applied"

@@ -72,6 +72,61 @@ for dir in "$(go env GOCACHE)" "$(go env GOMODCACHE)" "${TMPDIR:-/tmp}"; do
   fi
 done
 
+# The two k3s builds of make k3s-e2e below (the newest line, then release-1.34 at 75826e8af) run
+# from the start, one after the other, in the background at nice 19: they take the cores whenever
+# a phase waits (on the module proxy, a containerd, a kubelet) and yield them at once otherwise.
+# A cold build is about 15 minutes of compiling; started only when its turn came, the newest line's
+# build and the wait for release-1.34's kept a cold .ci/run over 75 minutes (4,637 s on 2141fe4).
+# Each build's exit code lands in $k3s_builds/N.rc; its own session, so that a failed run stops
+# the whole build (its go and compile processes too) before the leak check.
+k3s_newest=$(build/k3s-newest.sh)
+k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
+k3s_sources=("$k3s_newest")
+if [ -f "$k3s_134" ]; then
+  k3s_sources+=("$k3s_134")
+else
+  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
+fi
+k3s_builds=$(mktemp -d)
+# shellcheck disable=SC2016 # the script's own arguments
+setsid bash -c 'dir=$1; shift; n=0
+  for source; do
+    n=$((n + 1)) rc=0
+    K3S_SOURCE=$source nice -n 19 bash scripts/build-k3s.sh > "$dir/$n.log" 2>&1 || rc=$?
+    echo "$rc" > "$dir/$n.rc"
+  done' k3s-builds "$k3s_builds" "${k3s_sources[@]}" &
+k3s_builder=$!
+# Under set -e every command of an EXIT trap must succeed (a failing one would end the script with
+# its status and skip the leak check): the builds have usually ended, and kill then fails.
+stop_k3s_builds() {
+  local rc=$?
+  kill -- -"$k3s_builder" 2>/dev/null || true
+  wait "$k3s_builder" 2>/dev/null || true
+  rm -rf "$k3s_builds"
+  leaks "$rc"
+}
+trap stop_k3s_builds EXIT
+# k3s_build_wait N SOURCE: waits for the Nth build, prints its decisions (stand-ins) on stderr and
+# the directory of its binaries on stdout; a failed build prints its log and ends the run.
+k3s_build_wait() {
+  local rc_file=$k3s_builds/$1.rc log=$k3s_builds/$1.log
+  while [ ! -f "$rc_file" ]; do
+    if ! kill -0 "$k3s_builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
+      echo "FAIL: the background k3s builds ended before make k3s K3S_SOURCE=$2 finished" >&2
+      cat "$log" >&2 2>/dev/null || true
+      exit 1
+    fi
+    sleep 2
+  done
+  if [ "$(cat "$rc_file")" != 0 ]; then
+    cat "$log" >&2
+    echo "FAIL: make k3s K3S_SOURCE=$2 failed" >&2
+    exit 1
+  fi
+  grep -E '^(== |stand-in:)' "$log" >&2 || true
+  dirname "$(tail -1 "$log")"
+}
+
 phase "go vet"
 go vet ./...
 # test/kubelet builds against k8s.io/kubernetes vendored and patched with patches/kubernetes.
@@ -121,45 +176,19 @@ phase "make k3s-patches-check (patches/k3s series well formed; make k3s fails fa
 bash scripts/k3s-patches-check.sh
 
 # make k3s-e2e on the newest k3s line, then on release-1.34 as of v1.34.10 (k3s PR 14266 in it):
-# the series and the e2e on a late patch release of the other supported line. The second line
-# compiles while the first one's node runs (mostly waiting on the kubelet), which saves most of a
-# cold compile's time; the node's timings hold under that load (seen).
-k3s_newest=$(build/k3s-newest.sh)
-k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
-phase "make k3s ($k3s_newest)"
-build_log=$(mktemp)
-K3S_SOURCE=$k3s_newest bash scripts/build-k3s.sh > "$build_log" 2>&1 || { cat "$build_log"; exit 1; }
-grep -E '^(== |stand-in:)' "$build_log" || true
-newest_bin=$(dirname "$(tail -1 "$build_log")")
-build_134=""
-if [ -f "$k3s_134" ]; then
-  phase "make k3s K3S_SOURCE=$k3s_134, in the background"
-  build_134_log=$(mktemp)
-  K3S_SOURCE=$k3s_134 bash scripts/build-k3s.sh > "$build_134_log" 2>&1 &
-  build_134=$!
-  # On a failure, the background build is stopped before the leak check, which keeps the exit code.
-  # Under set -e every command here must succeed: the build has usually ended (kill fails), and a
-  # failing command in an EXIT trap would end the script with its status, skipping the leak check.
-  stop_build_134() {
-    local rc=$?
-    kill "$build_134" 2>/dev/null || true
-    wait "$build_134" 2>/dev/null || true
-    leaks "$rc"
-  }
-  trap stop_build_134 EXIT
-else
-  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
-fi
+# the series and the e2e on a late patch release of the other supported line. Both builds were
+# started at the top (see k3s_builds); here the run waits for each in turn.
+phase "make k3s ($k3s_newest): waiting for its build"
+newest_bin=$(k3s_build_wait 1 "$k3s_newest")
 phase "make k3s-e2e ($k3s_newest: a real k3s node under real disk pressure, with k3s-pinning and stock)"
 K3S_E2E_BIN=$newest_bin bash scripts/k3s-e2e.sh
-if [ -n "$build_134" ]; then
-  phase "waiting for make k3s K3S_SOURCE=$k3s_134"
-  wait "$build_134" || { cat "$build_134_log"; echo "make k3s K3S_SOURCE=$k3s_134 failed" >&2; exit 1; }
-  grep -E '^(== |stand-in:)' "$build_134_log" || true
+if [ -f "$k3s_134" ]; then
+  phase "make k3s K3S_SOURCE=$k3s_134: waiting for its build"
+  bin_134=$(k3s_build_wait 2 "$k3s_134")
   # Every scenario once, with k3s-pinning (the stock column, the wrapper, bad-flag and daemon tests
   # ran on the newest line above; make k3s-e2e K3S_SOURCE=... runs both columns on this line).
   phase "make k3s-e2e K3S_SOURCE=$k3s_134 K3S_E2E_RUN='^TestK3sNode\$/^with-k3s-pinning\$'"
-  K3S_E2E_BIN=$(dirname "$(tail -1 "$build_134_log")") K3S_E2E_RUN='^TestK3sNode$/^with-k3s-pinning$' bash scripts/k3s-e2e.sh
+  K3S_E2E_BIN=$bin_134 K3S_E2E_RUN='^TestK3sNode$/^with-k3s-pinning$' bash scripts/k3s-e2e.sh
 fi
 
 # patches/kubernetes is compiled and run on kubernetes 1.36 and 1.34 inside the k3s above, and on 1.37 by
