@@ -72,66 +72,6 @@ for dir in "$(go env GOCACHE)" "$(go env GOMODCACHE)" "${TMPDIR:-/tmp}"; do
   fi
 done
 
-# The two k3s builds of make k3s-e2e below (the newest line, then release-1.34 at 75826e8af) run
-# from the start, one after the other, in the background at nice 19: they take the cores whenever
-# a phase waits (on the module proxy, a containerd, a kubelet) and yield them at once otherwise.
-# A cold build is about 15 minutes of compiling; started only when its turn came, the newest line's
-# build and the wait for release-1.34's kept a cold .ci/run over 75 minutes (4,637 s on 2141fe4).
-# Each build's exit code lands in $k3s_builds/N.rc; a session of its own (setsid), so that a failed
-# run stops the whole build (its go and compile processes too) before the leak check.
-k3s_newest=$(build/k3s-newest.sh)
-k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
-k3s_sources=("$k3s_newest")
-if [ -f "$k3s_134" ]; then
-  k3s_sources+=("$k3s_134")
-else
-  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
-fi
-k3s_builds=$(mktemp -d)
-# setsid makes the builds a session of their own, and under the kernel's autogroup scheduling
-# (/proc/sys/kernel/sched_autogroup_enabled, on here) sessions share the cores equally whatever
-# their processes' nice: so the session itself gets nice 19, from inside (no race with setsid).
-# Seen in a cold run without it: the nice-19 compiles took their equal half beside go vet.
-# shellcheck disable=SC2016 # the script's own arguments
-setsid bash -c 'echo 19 > /proc/self/autogroup 2>/dev/null || true
-  dir=$1; shift; n=0
-  for source; do
-    n=$((n + 1)) rc=0
-    K3S_SOURCE=$source nice -n 19 bash scripts/build-k3s.sh > "$dir/$n.log" 2>&1 || rc=$?
-    echo "$rc" > "$dir/$n.rc"
-  done' k3s-builds "$k3s_builds" "${k3s_sources[@]}" &
-k3s_builder=$!
-# Under set -e every command of an EXIT trap must succeed (a failing one would end the script with
-# its status and skip the leak check): the builds have usually ended, and kill then fails.
-stop_k3s_builds() {
-  local rc=$?
-  kill -- -"$k3s_builder" 2>/dev/null || true
-  wait "$k3s_builder" 2>/dev/null || true
-  rm -rf "$k3s_builds"
-  leaks "$rc"
-}
-trap stop_k3s_builds EXIT
-# k3s_build_wait N SOURCE: waits for the Nth build, prints its decisions (stand-ins) on stderr and
-# the directory of its binaries on stdout; a failed build prints its log and ends the run.
-k3s_build_wait() {
-  local rc_file=$k3s_builds/$1.rc log=$k3s_builds/$1.log
-  while [ ! -f "$rc_file" ]; do
-    if ! kill -0 "$k3s_builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
-      echo "FAIL: the background k3s builds ended before make k3s K3S_SOURCE=$2 finished" >&2
-      cat "$log" >&2 2>/dev/null || true
-      exit 1
-    fi
-    sleep 2
-  done
-  if [ "$(cat "$rc_file")" != 0 ]; then
-    cat "$log" >&2
-    echo "FAIL: make k3s K3S_SOURCE=$2 failed" >&2
-    exit 1
-  fi
-  grep -E '^(== |stand-in:)' "$log" >&2 || true
-  dirname "$(tail -1 "$log")"
-}
-
 phase "go vet"
 go vet ./...
 # test/kubelet builds against k8s.io/kubernetes vendored and patched with patches/kubernetes.
@@ -181,8 +121,68 @@ phase "make k3s-patches-check (patches/k3s series well formed; make k3s fails fa
 bash scripts/k3s-patches-check.sh
 
 # make k3s-e2e on the newest k3s line, then on release-1.34 as of v1.34.10 (k3s PR 14266 in it):
-# the series and the e2e on a late patch release of the other supported line. Both builds were
-# started at the top (see k3s_builds); here the run waits for each in turn.
+# the series and the e2e on a late patch release of the other supported line.
+# The two k3s builds (the newest line, then release-1.34 at 75826e8af) run one after the other in
+# the background: the newest line's while nothing else runs, then release-1.34's while the newest
+# line's node runs (mostly waiting on its kubelet), which saves most of a cold compile's time (the
+# node's timings hold under that load: seen). Not from the start of make test: a cold run that
+# started them there, to fill the phases' waits, took longer than without (the cores were busy
+# nearly throughout, and the phases ran slower beside the compiles than the waits they filled).
+# Each build's exit code lands in $k3s_builds/N.rc; a session of its own (setsid), so that a failed
+# run stops the whole build (its go and compile processes too) before the leak check.
+k3s_newest=$(build/k3s-newest.sh)
+k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
+k3s_sources=("$k3s_newest")
+if [ -f "$k3s_134" ]; then
+  k3s_sources+=("$k3s_134")
+else
+  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
+fi
+k3s_builds=$(mktemp -d)
+# setsid makes the builds a session of their own, and under the kernel's autogroup scheduling
+# (/proc/sys/kernel/sched_autogroup_enabled, on here) sessions share the cores equally whatever
+# their processes' nice: so the session itself gets nice 19, from inside (no race with setsid).
+# Seen in a cold run without it: the nice-19 compiles took an equal share beside go vet.
+# shellcheck disable=SC2016 # the script's own arguments
+setsid bash -c 'echo 19 > /proc/self/autogroup 2>/dev/null || true
+  dir=$1; shift; n=0
+  for source; do
+    n=$((n + 1)) rc=0
+    K3S_SOURCE=$source nice -n 19 bash scripts/build-k3s.sh > "$dir/$n.log" 2>&1 || rc=$?
+    echo "$rc" > "$dir/$n.rc"
+  done' k3s-builds "$k3s_builds" "${k3s_sources[@]}" &
+k3s_builder=$!
+# Under set -e every command of an EXIT trap must succeed (a failing one would end the script with
+# its status and skip the leak check): the builds have usually ended, and kill then fails.
+stop_k3s_builds() {
+  local rc=$?
+  kill -- -"$k3s_builder" 2>/dev/null || true
+  wait "$k3s_builder" 2>/dev/null || true
+  rm -rf "$k3s_builds"
+  leaks "$rc"
+}
+trap stop_k3s_builds EXIT
+# k3s_build_wait N SOURCE: waits for the Nth build, prints its decisions (stand-ins) on stderr and
+# the directory of its binaries on stdout; a failed build prints its log and ends the run.
+k3s_build_wait() {
+  local rc_file=$k3s_builds/$1.rc log=$k3s_builds/$1.log
+  while [ ! -f "$rc_file" ]; do
+    if ! kill -0 "$k3s_builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
+      echo "FAIL: the background k3s builds ended before make k3s K3S_SOURCE=$2 finished" >&2
+      cat "$log" >&2 2>/dev/null || true
+      exit 1
+    fi
+    sleep 2
+  done
+  if [ "$(cat "$rc_file")" != 0 ]; then
+    cat "$log" >&2
+    echo "FAIL: make k3s K3S_SOURCE=$2 failed" >&2
+    exit 1
+  fi
+  grep -E '^(== |stand-in:)' "$log" >&2 || true
+  dirname "$(tail -1 "$log")"
+}
+
 phase "make k3s ($k3s_newest): waiting for its build"
 newest_bin=$(k3s_build_wait 1 "$k3s_newest")
 phase "make k3s-e2e ($k3s_newest: a real k3s node under real disk pressure, with k3s-pinning and stock)"
