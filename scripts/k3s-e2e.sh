@@ -7,7 +7,6 @@
 # Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-repo=$(pwd)
 source=${K3S_SOURCE:-$(build/k3s-newest.sh)}
 [ -n "$source" ] || { echo "make k3s-e2e: no K3S_SOURCE and no k3s archive in ../shared/k3s-src" >&2; exit 1; }
 if [ -z "${K3S_E2E_BIN:-}" ]; then
@@ -17,7 +16,8 @@ if [ -z "${K3S_E2E_BIN:-}" ]; then
   grep -E '^(== |fork:|stand-in:|offline)' "$log" | grep -v '^fork:' || true   # the decisions that are not k3s's own forks
   bin=$(tail -1 "$log"); rm -f "$log"
   echo "== make k3s: $(( $(date +%s) - start )) s"
-  export K3S_E2E_BIN=$(dirname "$bin")
+  K3S_E2E_BIN=$(dirname "$bin")
+  export K3S_E2E_BIN
 fi
 work=$(build/kubelet-workspace.sh)
 cd test/e2e

@@ -163,7 +163,7 @@ done
 
 # make k3s for a release fails fast, saying what it needs, without network.
 start=$(date +%s)
-if out=$(K3S_SOURCE= bash scripts/build-k3s.sh 2>&1); then fail "make k3s without K3S_SOURCE or K3S_VERSION succeeded"; fi
+if out=$(K3S_SOURCE='' bash scripts/build-k3s.sh 2>&1); then fail "make k3s without K3S_SOURCE or K3S_VERSION succeeded"; fi
 grep -q 'K3S_SOURCE' <<<"$out" || fail "make k3s without a source: message does not name K3S_SOURCE: $out"
 if out=$(K3S_REMOTE=https://127.0.0.1:9/k3s-io/k3s.git K3S_VERSION=v1.35.0+k3s1 bash scripts/build-k3s.sh 2>&1); then fail "make k3s with an unreachable repository succeeded"; fi
 grep -q 'needs network access' <<<"$out" || fail "make k3s K3S_VERSION=... offline: message does not say it needs network access: $out"

@@ -62,7 +62,8 @@ scratch() {
 
 # check LINE: prints the result line; returns non-zero on failure.
 check() {
-  local line=$1 version="" skipped="" dir=$cache/$line log=$cache/$line.log
+  local line=$1
+  local version="" skipped="" dir=$cache/$line log=$cache/$line.log
   : >"$log"
   for v in $(releases "$line"); do
     echo "== $v" >>"$log"
