@@ -207,12 +207,9 @@ for _ in $(seq 1 20); do
   # The first served version of the same minor after the refused one, by semver (a pseudo-version
   # v0.8.4-0.<date>-<commit> comes before the release v0.8.4).
   # (asked outside the k3s module, which cannot load the refused version)
-  next=$( (cd "$standins" && GOWORK=off go list -m -versions "$mod") | python3 -c '
-import re, sys
-def key(v):
-    m = re.match(r"v(\d+)\.(\d+)\.(\d+)(?:-([^+]*))?", v)
-    pre = m.group(4)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3)), pre is None, pre or "")
+  next=$( (cd "$standins" && GOWORK=off go list -m -versions "$mod") | PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=$repo/build python3 -c '
+import sys
+from semver import key
 want, minor = sys.argv[1], sys.argv[2]
 later = [v for v in sys.stdin.read().split()[1:] if v.startswith(minor + ".") and key(v) > key(want)]
 print(min(later, key=key) if later else "")' "$version" "$minor") || die "cannot list the versions of $mod the module proxy serves"

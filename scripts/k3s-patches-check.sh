@@ -102,15 +102,9 @@ done
 # v1.34.3's rc.1 went unseen from the first commit until 80b11e874 was built with its forks).
 for short in "${!covered[@]}"; do
   go mod edit -json "${trees[$short]}/go.mod" > "$tmp/k3s-go.mod.json"
-  go mod edit -json go.mod | python3 -c '
+  go mod edit -json go.mod | PYTHONDONTWRITEBYTECODE=1 PYTHONPATH=build python3 -c '
 import json, sys
-def key(v):
-    v = v[1:].split("+")[0]
-    main, _, pre = v.partition("-")
-    nums = tuple(int(x) for x in main.split("."))
-    if not pre:
-        return (nums, 1, ())
-    return (nums, 0, tuple((0, int(i), "") if i.isdigit() else (1, 0, i) for i in pre.split(".")))
+from semver import key
 ours = json.load(sys.stdin)
 k3s = json.load(open(sys.argv[1]))
 replaced = {r["Old"]["Path"] for r in k3s.get("Replace") or []}

@@ -167,6 +167,7 @@ trap stop_k3s_builds EXIT
 k3s_build_wait() {
   local rc_file=$k3s_builds/$1.rc log=$k3s_builds/$1.log
   while [ ! -f "$rc_file" ]; do
+    # rc_file again: the builder may have written it and exited since the loop's test.
     if ! kill -0 "$k3s_builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
       echo "FAIL: the background k3s builds ended before make k3s K3S_SOURCE=$2 finished" >&2
       cat "$log" >&2 2>/dev/null || true
