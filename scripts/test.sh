@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make test: vet, the cross-build check, every test of the modules, the short soak, the fuzz
-# targets, make release with its artifacts checked, make e2e, make k3s-e2e on two k3s lines (a real
-# k3s built with k3s-pinning, from ../shared/k3s-src). Tests that need root
+# make test: vet, every test of the modules, the short soak, the fuzz targets, make e2e, make
+# k3s-e2e on two k3s lines (a real k3s built with k3s-pinning, from ../shared/k3s-src), and, in
+# the background beside them, the cross-build check and make release with its artifacts checked. Tests that need root
 # (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
 # Whatever fails, the end checks that no test left a containerd or a mount behind.
 set -euo pipefail
@@ -51,8 +51,8 @@ leaks() {
     grep ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-' /proc/self/mounts >&2 || true
     rc=1
   fi
-  [ $rc -eq 0 ] && echo "== all tests passed ($(( $(date +%s) - t0 )) s)"
-  exit $rc
+  [ "$rc" -eq 0 ] && echo "== all tests passed ($(( $(date +%s) - t0 )) s)"
+  exit "$rc"
 }
 trap leaks EXIT
 
@@ -78,9 +78,6 @@ go vet ./...
 kubelet_work=$(build/kubelet-workspace.sh)
 (cd test/kubelet && GOWORK=$kubelet_work go vet -mod=vendor ./...)
 (cd test/e2e && GOWORK=$kubelet_work go vet -mod=vendor ./...)
-
-phase "the packages k3s imports build for every platform k3s builds agents for"
-bash scripts/cross-check.sh
 
 phase "module github.com/k3s-pinning/k3s-pinning"
 go test -count=1 -timeout 20m ./...
@@ -111,25 +108,21 @@ done
 phase "fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh
 
-phase "make release, its artifacts checked from outside (binaries, .deb installed and purged, .rpm, install.sh)"
-bash scripts/release-check.sh
-
-phase "make e2e (a real kubelet under real disk pressure)"
-bash scripts/e2e.sh
-
 phase "make k3s-patches-check (patches/k3s series well formed; make k3s fails fast offline)"
 bash scripts/k3s-patches-check.sh
 
-# make k3s-e2e on the newest k3s line, then on release-1.34 as of v1.34.10 (k3s PR 14266 in it):
-# the series and the e2e on a late patch release of the other supported line.
-# The two k3s builds (the newest line, then release-1.34 at 75826e8af) run one after the other in
-# the background: the newest line's while nothing else runs, then release-1.34's while the newest
-# line's node runs (mostly waiting on its kubelet), which saves most of a cold compile's time (the
-# node's timings hold under that load: seen). Not from the start of make test: a cold run that
-# started them there, to fill the phases' waits, took longer than without (the cores were busy
-# nearly throughout, and the phases ran slower beside the compiles than the waits they filled).
-# Each build's exit code lands in $k3s_builds/N.rc; a session of its own (setsid), so that a failed
-# run stops the whole build (its go and compile processes too) before the leak check.
+# What is left is mostly waiting (kubelets and k3s nodes under disk pressure) and compiling (two
+# k3s lines, and the four platforms of the cross-build check and make release), so the compiles run
+# in the background, in one session of their own with two queues:
+#  - the k3s builds, one after the other: the newest line (beside make e2e, then alone), then
+#    release-1.34 at 75826e8af (k3s PR 14266 in it) while the newest line's node runs;
+#  - the cross-build check, then make release with its check, at nice 19 inside the session: they
+#    take the cores only when the k3s builds leave them (fetching modules, linking) and, mostly,
+#    beside release-1.34's node, the end of the run, when the cores were idle (seen: 64-99% idle).
+# Not from the start of make test: a cold run that started the k3s builds there took longer (the
+# phases ran slower beside the compiles than the waits they filled). setsid makes the session, so a
+# failed run stops all of it (its go and compile processes too) before the leak check; each job's
+# exit code lands in $bg/JOB.rc, its output in $bg/JOB.log.
 k3s_newest=$(build/k3s-newest.sh)
 k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
 k3s_sources=("$k3s_newest")
@@ -138,64 +131,98 @@ if [ -f "$k3s_134" ]; then
 else
   echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
 fi
-k3s_builds=$(mktemp -d)
-# setsid makes the builds a session of their own, and under the kernel's autogroup scheduling
-# (/proc/sys/kernel/sched_autogroup_enabled, on here) sessions share the cores equally whatever
-# their processes' nice: so the session itself gets nice 19, from inside (no race with setsid).
-# Seen in a cold run without it: the nice-19 compiles took an equal share beside go vet.
+bg=$(mktemp -d)
+# Under the kernel's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled, on here)
+# sessions share the cores equally whatever their processes' nice: so the session itself gets nice
+# 19, from inside (no race with setsid); inside it, nice orders the two queues. Seen in a cold run
+# without it: nice-19 compiles took an equal share beside go vet. Without autogroup scheduling
+# every process competes on its own nice: the k3s builds then get 10, below the foreground's 0.
 # shellcheck disable=SC2016 # the script's own arguments
-setsid bash -c 'echo 19 > /proc/self/autogroup 2>/dev/null || true
-  dir=$1; shift; n=0
+setsid bash -c 'k3s_nice=10
+  if [ "$(cat /proc/sys/kernel/sched_autogroup_enabled 2>/dev/null)" = 1 ] && echo 19 > /proc/self/autogroup 2>/dev/null; then k3s_nice=0; fi
+  dir=$1; shift
+  run() { local rc=0; "${@:2}" > "$dir/$1.log" 2>&1 || rc=$?; echo "$rc" > "$dir/$1.rc"; }
+  ( run cross nice -n 19 bash scripts/cross-check.sh
+    run release nice -n 19 bash scripts/release-check.sh ) &
+  n=0
   for source; do
-    n=$((n + 1)) rc=0
-    K3S_SOURCE=$source nice -n 19 bash scripts/build-k3s.sh > "$dir/$n.log" 2>&1 || rc=$?
-    echo "$rc" > "$dir/$n.rc"
-  done' k3s-builds "$k3s_builds" "${k3s_sources[@]}" &
-k3s_builder=$!
+    n=$((n + 1))
+    run "k3s-$n" env K3S_SOURCE="$source" nice -n "$k3s_nice" bash scripts/build-k3s.sh
+  done
+  wait' background "$bg" "${k3s_sources[@]}" &
+builder=$!
 # Under set -e every command of an EXIT trap must succeed (a failing one would end the script with
-# its status and skip the leak check): the builds have usually ended, and kill then fails.
-stop_k3s_builds() {
+# its status and skip the leak check): the jobs have usually ended, and kill then fails.
+stop_background() {
   local rc=$?
-  kill -- -"$k3s_builder" 2>/dev/null || true
-  wait "$k3s_builder" 2>/dev/null || true
-  rm -rf "$k3s_builds"
+  kill -- -"$builder" 2>/dev/null || true
+  wait "$builder" 2>/dev/null || true
+  rm -rf "$bg"
   leaks "$rc"
 }
-trap stop_k3s_builds EXIT
-# k3s_build_wait N SOURCE: waits for the Nth build, prints its decisions (stand-ins) on stderr and
-# the directory of its binaries on stdout; a failed build prints its log and ends the run.
-k3s_build_wait() {
-  local rc_file=$k3s_builds/$1.rc log=$k3s_builds/$1.log
+trap stop_background EXIT
+# bg_failed: a background job that already failed ends the run now, with its log, rather than at
+# its turn.
+bg_failed() {
+  local rc_file
+  for rc_file in "$bg"/*.rc; do
+    if [ ! -f "$rc_file" ] || [ "$(cat "$rc_file")" = 0 ]; then continue; fi
+    cat "${rc_file%.rc}.log" >&2
+    echo "FAIL: $(basename "${rc_file%.rc}") (in the background) failed" >&2
+    exit 1
+  done
+}
+# bg_wait JOB WHAT: waits for a background job; a failed one prints its log and ends the run.
+bg_wait() {
+  local rc_file=$bg/$1.rc
   while [ ! -f "$rc_file" ]; do
-    # rc_file again: the builder may have written it and exited since the loop's test.
-    if ! kill -0 "$k3s_builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
-      echo "FAIL: the background k3s builds ended before make k3s K3S_SOURCE=$2 finished" >&2
-      cat "$log" >&2 2>/dev/null || true
+    bg_failed
+    # rc_file again: the session may have written it and exited since the loop's test.
+    if ! kill -0 "$builder" 2>/dev/null && [ ! -f "$rc_file" ]; then
+      cat "$bg/$1.log" >&2 2>/dev/null || true
+      echo "FAIL: the background jobs ended before $2 finished" >&2
       exit 1
     fi
     sleep 2
   done
   if [ "$(cat "$rc_file")" != 0 ]; then
-    cat "$log" >&2
-    echo "FAIL: make k3s K3S_SOURCE=$2 failed" >&2
+    cat "$bg/$1.log" >&2
+    echo "FAIL: $2 failed" >&2
     exit 1
   fi
-  grep -E '^(== |stand-in:)' "$log" >&2 || true
-  dirname "$(tail -1 "$log")"
 }
+# k3s_build_wait N SOURCE: waits for the Nth k3s build, prints its decisions (stand-ins) on stderr
+# and the directory of its binaries on stdout.
+k3s_build_wait() {
+  bg_wait "k3s-$1" "make k3s K3S_SOURCE=$2"
+  grep -E '^(== |stand-in:)' "$bg/k3s-$1.log" >&2 || true
+  dirname "$(tail -1 "$bg/k3s-$1.log")"
+}
+
+phase "make e2e (a real kubelet under real disk pressure; the background jobs have started)"
+bash scripts/e2e.sh
 
 phase "make k3s ($k3s_newest): waiting for its build"
 newest_bin=$(k3s_build_wait 1 "$k3s_newest")
+bg_failed
 phase "make k3s-e2e ($k3s_newest: a real k3s node under real disk pressure, with k3s-pinning and stock)"
 K3S_E2E_BIN=$newest_bin bash scripts/k3s-e2e.sh
 if [ -f "$k3s_134" ]; then
   phase "make k3s K3S_SOURCE=$k3s_134: waiting for its build"
   bin_134=$(k3s_build_wait 2 "$k3s_134")
+  bg_failed
   # Every scenario once, with k3s-pinning (the stock column, the wrapper, bad-flag and daemon tests
   # ran on the newest line above; make k3s-e2e K3S_SOURCE=... runs both columns on this line).
   phase "make k3s-e2e K3S_SOURCE=$k3s_134 K3S_E2E_RUN='^TestK3sNode\$/^with-k3s-pinning\$'"
   K3S_E2E_BIN=$bin_134 K3S_E2E_RUN='^TestK3sNode$/^with-k3s-pinning$' bash scripts/k3s-e2e.sh
 fi
+
+phase "the packages k3s imports build for every platform k3s builds agents for (in the background since make e2e)"
+bg_wait cross "the cross-build check"
+cat "$bg/cross.log"
+phase "make release, its artifacts checked from outside (binaries, .deb installed and purged, .rpm, install.sh; in the background after the cross-build check)"
+bg_wait release "make release's check"
+cat "$bg/release.log"
 
 # patches/kubernetes is compiled and run on kubernetes 1.36 and 1.34 inside the k3s above, and on 1.37 by
 # test/kubelet and make e2e; make patches-check checks all four lines (1.34-1.37) and is not in
