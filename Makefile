@@ -3,7 +3,7 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet release patches-check k3s-patches-check k3s k3s-e2e e2e bench fuzz soak
+.PHONY: demo test unit build vet docs release patches-check k3s-patches-check k3s k3s-e2e cluster-e2e e2e bench fuzz soak
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
@@ -34,6 +34,12 @@ k3s:
 ## table for both (root)
 k3s-e2e:
 	K3S_SOURCE=$(K3S_SOURCE) bash scripts/k3s-e2e.sh
+
+## cluster-e2e: make k3s (K3S_SOURCE, by default the newest line), then a cluster of a server and two
+## agents joined with a token, each in network and mount namespaces of its own on a LAN the test
+## makes, with k3s's flannel; disk pressure on one agent (root)
+cluster-e2e:
+	K3S_SOURCE=$(K3S_SOURCE) bash scripts/cluster-e2e.sh
 
 ## k3s-patches-check: every patches/k3s and patches/k3s-offline series well formed and applying to
 ## the k3s trees in ../shared/k3s-src, Dockerfile.k3s as k3s's build environment, make k3s
@@ -75,6 +81,11 @@ unit:
 ## the offline install.sh, sha256sum.txt. VERSION=... (default: git describe)
 release:
 	bash scripts/release.sh
+
+## docs: render the pictures of docs/ (docs/*.dot, Graphviz) to SVG beside their source; make test
+## fails when a picture was not rendered from its current source
+docs:
+	bash scripts/docs.sh
 
 ## build: install the k3s-pinning command into GOBIN
 build:

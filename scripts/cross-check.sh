@@ -16,3 +16,8 @@ for platform in linux/amd64 linux/arm64 linux/arm windows/amd64; do
     || { echo "FAIL  the packages k3s imports do not build for $platform" >&2; exit 1; }
   echo "ok    $platform"
 done
+# The test support packages too (pkg/containerdtest, pkg/imagetest), on the platform where they are
+# furthest from Linux: a builder who builds ./pkg/... for k3s's Windows agents must not stop there.
+GOOS=windows GOARCH=amd64 CGO_ENABLED=0 go build -trimpath ./pkg/... \
+  || { echo "FAIL  ./pkg/... does not build for windows/amd64" >&2; exit 1; }
+echo "ok    windows/amd64 ./pkg/..."

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make test: vet, every test of the modules, the short soak, the fuzz targets, make e2e, make
-# k3s-e2e on two k3s lines (a real k3s built with k3s-pinning, from ../shared/k3s-src), and, in
-# the background beside them, the cross-build check and make release with its artifacts checked. Tests that need root
+# k3s-e2e on two k3s lines (a real k3s built with k3s-pinning, from ../shared/k3s-src), make
+# cluster-e2e on the newest (a server and two agents), and, in the background beside them, the
+# cross-build check and make release with its artifacts checked. Tests that need root
 # (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
 # Whatever fails, the end checks that no test left a containerd or a mount behind.
 set -euo pipefail
@@ -27,9 +28,9 @@ leaks() {
     grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts >&2
     rc=1
   fi
-  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-'; then
+  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-\|k3s-pinning-cluster-e2e-'; then
     echo "FAIL: a test left a loop device behind:" >&2
-    losetup -a | grep 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-' >&2
+    losetup -a | grep 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-\|k3s-pinning-cluster-e2e-' >&2
     rc=1
   fi
   # A pod's processes outlive a shim killed with SIGKILL; they hold the node's ext4 (and so its
@@ -45,10 +46,17 @@ leaks() {
     echo "FAIL: a test left a kubelet (e2e-node) running" >&2
     rc=1
   fi
-  if pgrep -f 'k3s-build/.*/bin/k3s server' >/dev/null || { [ "$had_run_k3s" = no ] && [ -e /run/k3s ]; } || grep -q ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-' /proc/self/mounts; then
+  if pgrep -f 'k3s-build/.*/bin/k3s (server|agent)' >/dev/null || { [ "$had_run_k3s" = no ] && [ -e /run/k3s ]; } || grep -q ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-\| /tmp/k3s-pinning-cluster-e2e-' /proc/self/mounts; then
     echo "FAIL: the k3s e2e left k3s, /run/k3s or a mount behind:" >&2
-    pgrep -af 'k3s-build/.*/bin/k3s server' >&2 || true
-    grep ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-' /proc/self/mounts >&2 || true
+    pgrep -af 'k3s-build/.*/bin/k3s (server|agent)' >&2 || true
+    grep ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-\| /tmp/k3s-pinning-cluster-e2e-' /proc/self/mounts >&2 || true
+    rc=1
+  fi
+  # The cluster e2e's network namespaces (k3spPID-*) and its kubelets' cgroup roots (k3sp-NODE).
+  if ip netns list 2>/dev/null | grep -q '^k3sp[0-9]*-' || compgen -G '/sys/fs/cgroup/*/k3sp-*' >/dev/null; then
+    echo "FAIL: the cluster e2e left network namespaces or cgroups behind:" >&2
+    ip netns list 2>/dev/null | grep '^k3sp[0-9]*-' >&2 || true
+    compgen -G '/sys/fs/cgroup/*/k3sp-*' >&2 || true
     rc=1
   fi
   [ "$rc" -eq 0 ] && echo "== all tests passed ($(( $(date +%s) - t0 )) s)"
@@ -207,6 +215,9 @@ newest_bin=$(k3s_build_wait 1 "$k3s_newest")
 bg_failed
 phase "make k3s-e2e ($k3s_newest: a real k3s node under real disk pressure, with k3s-pinning and stock)"
 K3S_E2E_BIN=$newest_bin bash scripts/k3s-e2e.sh
+# The cluster runs while release-1.34 compiles in the background, as master's node did.
+phase "make cluster-e2e ($k3s_newest: a server and two agents in namespaces of their own, with k3s's flannel)"
+K3S_E2E_BIN=$newest_bin bash scripts/cluster-e2e.sh
 if [ -f "$k3s_134" ]; then
   phase "make k3s K3S_SOURCE=$k3s_134: waiting for its build"
   bin_134=$(k3s_build_wait 2 "$k3s_134")

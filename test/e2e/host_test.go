@@ -42,6 +42,9 @@ type host struct {
 	images  runtimeapi.ImageServiceClient
 	runtime runtimeapi.RuntimeServiceClient
 	exited  chan struct{} // closed when the node's process has exited
+	// cgroupRoot is the kubelet's --cgroup-root below each cgroup hierarchy, "" for the kubelet's
+	// default (kubepods at the top).
+	cgroupRoot string
 }
 
 // requireTools fails the test, saying what to install, when a tool the e2e runs is missing.
@@ -81,6 +84,37 @@ func (h *host) mountImagefs(size int64) {
 	h.run("mount", h.loop, h.imagefs)
 }
 
+// writeFile writes content to path, making its dir.
+func (h *host) writeFile(path, content string) {
+	h.t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		h.t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// startLogged starts the node's process cmd in a process group of its own (killed with the
+// test), its output to a new log at path (h.log); h.exited closes once it has exited.
+func (h *host) startLogged(cmd *exec.Cmd, path string) {
+	h.t.Helper()
+	logFile, err := os.Create(path)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.log = path
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		h.t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	h.exited = exited
+	go func() { cmd.Wait(); logFile.Close(); close(exited) }()
+}
+
 // connect opens the containerd client and the CRI services at address.
 func (h *host) connect(address string) {
 	h.t.Helper()
@@ -112,8 +146,12 @@ func (h *host) stopPods() {
 // detaches the loop device and removes the kubelet's cgroups (cgroupfs driver; rmdir removes only
 // empty ones, deepest first).
 func (h *host) releaseMounts() {
-	dirs, _ := filepath.Glob("/sys/fs/cgroup/*/kubepods")
-	if more, _ := filepath.Glob("/sys/fs/cgroup/kubepods"); len(more) > 0 {
+	root := "kubepods"
+	if h.cgroupRoot != "" {
+		root = h.cgroupRoot
+	}
+	dirs, _ := filepath.Glob("/sys/fs/cgroup/*/" + root)
+	if more, _ := filepath.Glob("/sys/fs/cgroup/" + root); len(more) > 0 {
 		dirs = append(dirs, more...)
 	}
 	killCgroupProcs(dirs)
@@ -221,6 +259,15 @@ func (h *host) criPinned(ref string) bool {
 	return err == nil && resp.GetImage().GetPinned()
 }
 
+// pins says, for each of refs, whether the CRI reports it pinned.
+func (h *host) pins(refs ...string) map[string]bool {
+	out := map[string]bool{}
+	for _, ref := range refs {
+		out[ref] = h.criPinned(ref)
+	}
+	return out
+}
+
 // fill writes zeros to the imagefs until leave bytes are available, and returns the file to
 // remove to release the pressure.
 func (h *host) fill(leave int64) string {
@@ -251,7 +298,7 @@ type imageSet struct {
 // writeArchives writes set's archives: the images dir's into imagesDir, the hand imports into
 // handDir (returned, in set.hand's order).
 func (h *host) writeArchives(set imageSet, imagesDir, handDir, sleeperBin string) (handArchives []string) {
-	sleeper := sleeperLayer(h.t, sleeperBin)
+	sleeper := binaryLayer(h.t, sleeperBin)
 	mk := func(size int64, runs bool) v1.Image {
 		img, err := imagetest.Image(size, imagetest.Amd64)
 		if err != nil {
@@ -294,15 +341,16 @@ func (h *host) writeArchives(set imageSet, imagesDir, handDir, sleeperBin string
 	return handArchives
 }
 
-// sleeperLayer is a layer holding the static sleeper binary as /sleeper.
-func sleeperLayer(t *testing.T, bin string) v1.Layer {
+// binaryLayer is a layer holding the static binary at bin in its root, under its own name
+// (/sleeper).
+func binaryLayer(t *testing.T, bin string) v1.Layer {
 	data, err := os.ReadFile(bin)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
-	tw.WriteHeader(&tar.Header{Name: "sleeper", Mode: 0o755, Size: int64(len(data)), Typeflag: tar.TypeReg})
+	tw.WriteHeader(&tar.Header{Name: filepath.Base(bin), Mode: 0o755, Size: int64(len(data)), Typeflag: tar.TypeReg})
 	tw.Write(data)
 	tw.Close()
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf.Bytes())), nil })

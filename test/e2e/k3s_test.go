@@ -118,8 +118,8 @@ type k3sNode struct {
 	hand      []string // hand-import archives, in k3sHandRefs' order
 	cmd       *exec.Cmd
 	starts    int
-	builtCLI  bool     // k3sPinning built the command this run
 	logs      []string // the log of each start
+	kubectlRunner
 	// seenUnpinned lists the air-gap images containerd's events showed without the CRI pin.
 	mu           sync.Mutex
 	seenUnpinned []string
@@ -147,6 +147,9 @@ func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
 		data:      data,
 		imagesDir: filepath.Join(data, "agent", "images"),
 	}
+	n.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
+		return exec.Command(filepath.Join(n.bin, "kubectl"), append([]string{"--kubeconfig", filepath.Join(n.dir, "kubeconfig")}, args...)...)
+	}}
 	t.Cleanup(func() { n.cleanup(created) })
 	n.mountImagefs(k3sImagefsSize)
 	n.hand = n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(dir, "hand"), testBinary(t, "sleeper"))
@@ -214,16 +217,6 @@ evictionPressureTransitionPeriod: 5s
 imageMinimumGCAge: 1s
 `
 
-func (n *k3sNode) writeFile(path, content string) {
-	n.t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		n.t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
-		n.t.Fatal(err)
-	}
-}
-
 // k3sServerArgs are the arguments of every start: a single node whose bundled components that need
 // images are off (their images are not in the images dir), no CNI, kubelet state in the test dir.
 func (n *k3sNode) k3sServerArgs() []string {
@@ -269,26 +262,15 @@ func (n *k3sNode) restart(imagesBack bool, extra []string, env ...string) {
 func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string) {
 	n.t.Helper()
 	n.starts++
-	n.log = filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts))
-	n.logs = append(n.logs, n.log)
-	logFile, err := os.Create(n.log)
-	if err != nil {
-		n.t.Fatal(err)
-	}
 	cmd := exec.Command(filepath.Join(n.bin, "k3s"), append(n.k3sServerArgs(), extra...)...)
 	if n.pinning {
 		// Every start with pinning keeps the images of the cluster's workloads too.
 		env = append([]string{"K3S_PINNED_WORKLOAD_IMAGES=true"}, env...)
 	}
 	cmd.Env = append(os.Environ(), append([]string{"PATH=" + n.bin + ":" + os.Getenv("PATH")}, env...)...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		n.t.Fatal(err)
-	}
-	n.cmd, n.exited = cmd, make(chan struct{})
-	exited := n.exited
-	go func() { cmd.Wait(); logFile.Close(); close(exited) }()
+	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
+	n.cmd = cmd
+	n.logs = append(n.logs, n.log)
 	n.await(3*time.Minute, "containerd of k3s answering", func() bool {
 		if n.client != nil {
 			return true
@@ -372,22 +354,28 @@ func (n *k3sNode) cleanup(created []string) {
 	os.RemoveAll(n.dir)
 }
 
-func (n *k3sNode) kubectl(args ...string) (string, error) {
-	cmd := exec.Command(filepath.Join(n.bin, "kubectl"), append([]string{"--kubeconfig", filepath.Join(n.dir, "kubeconfig")}, args...)...)
-	out, err := cmd.CombinedOutput()
+// kubectlRunner runs kubectl against one API server; command makes its command line (make k3s's
+// multicall link with the server's kubeconfig, in whatever namespace reaches the server).
+type kubectlRunner struct {
+	kt      *testing.T
+	command func(args ...string) *exec.Cmd
+}
+
+func (k kubectlRunner) kubectl(args ...string) (string, error) {
+	out, err := k.command(args...).CombinedOutput()
 	return string(out), err
 }
 
-func (n *k3sNode) kubectlOK(args ...string) bool {
-	_, err := n.kubectl(args...)
+func (k kubectlRunner) kubectlOK(args ...string) bool {
+	_, err := k.kubectl(args...)
 	return err == nil
 }
 
-func (n *k3sNode) mustKubectl(args ...string) string {
-	n.t.Helper()
-	out, err := n.kubectl(args...)
+func (k kubectlRunner) mustKubectl(args ...string) string {
+	k.kt.Helper()
+	out, err := k.kubectl(args...)
 	if err != nil {
-		n.t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
+		k.kt.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
 	return out
 }
@@ -631,14 +619,6 @@ func printK3sTable(with, stock *k3sReport) {
 	withOnly("node condition after the loss", func(r *k3sReport) string { return strings.SplitN(r.lostCondition, ":", 2)[0] })
 	row("status --cluster exit: protected, lost, back", func(r *k3sReport) string { return fmt.Sprint(r.clusterExit) })
 	fmt.Fprint(os.Stdout, b.String())
-}
-
-func (n *k3sNode) pins(refs ...string) map[string]bool {
-	out := map[string]bool{}
-	for _, ref := range refs {
-		out[ref] = n.criPinned(ref)
-	}
-	return out
 }
 
 // pressureEvictReclaim is k3s issue 10209: the imagefs is filled past the eviction threshold by
@@ -980,27 +960,34 @@ func (n *k3sNode) k3sPinning(args ...string) (string, int) {
 	return string(out), 0
 }
 
-// k3sPinningBin is the k3s-pinning command, built once per node into the user cache.
-func (n *k3sNode) k3sPinningBin() string {
-	n.t.Helper()
+// k3sPinningBin is the k3s-pinning command (k3sPinningCLI).
+func (n *k3sNode) k3sPinningBin() string { return k3sPinningCLI(n.t) }
+
+// k3sPinningCLI is the k3s-pinning command of this checkout, built once per test binary into the
+// user cache (beside testBinary's).
+func k3sPinningCLI(t *testing.T) string {
+	t.Helper()
+	builtBinaries.Lock()
+	defer builtBinaries.Unlock()
+	if path, ok := builtBinaries.paths["k3s-pinning"]; ok {
+		return path
+	}
 	cache, err := os.UserCacheDir()
 	if err != nil {
-		n.t.Fatal(err)
+		t.Fatal(err)
+	}
+	root, err := containerdtest.ModuleRoot()
+	if err != nil {
+		t.Fatal(err)
 	}
 	bin := filepath.Join(cache, "k3s-pinning", "e2e", "k3s-pinning")
-	if !n.builtCLI {
-		root, err := containerdtest.ModuleRoot()
-		if err != nil {
-			n.t.Fatal(err)
-		}
-		build := exec.Command("go", "build", "-o", bin, "./cmd/k3s-pinning")
-		build.Dir = root
-		build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
-		if out, err := build.CombinedOutput(); err != nil {
-			n.t.Fatalf("go build ./cmd/k3s-pinning: %v\n%s", err, out)
-		}
-		n.builtCLI = true
+	build := exec.Command("go", "build", "-o", bin, "./cmd/k3s-pinning")
+	build.Dir = root
+	build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/k3s-pinning: %v\n%s", err, out)
 	}
+	builtBinaries.paths["k3s-pinning"] = bin
 	return bin
 }
 

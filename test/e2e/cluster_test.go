@@ -1,0 +1,697 @@
+package e2e_test
+
+// A real k3s cluster on this one machine (make cluster-e2e): the k3s that make k3s built
+// (K3S_E2E_BIN), one `k3s server` and two `k3s agent`s that join it with a token. Each node runs in
+// network and mount namespaces of its own: its eth0 on a bridge in a namespace the test makes (a
+// LAN with no other link: no route leads out of it), and its own /run (k3s's containerd socket,
+// flannel's subnet file, the pods' network namespaces), /var/lib/kubelet, /var/log/pods,
+// /etc/rancher (where an agent's config.yaml is) and /var/lib/cni; its kubelet has a cgroup root of
+// its own and its containerd root is a loop-mounted ext4. The CNI is k3s's own flannel (host-gw),
+// with the plugins and the iptables of build/cluster-tools.sh (K3S_CLUSTER_TOOLS), which only the
+// nodes see, in their namespaces.
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// The cluster's addresses: ranges used nowhere else on the machine, and only inside the test's
+// namespaces. Nothing answers DNS (coredns is disabled; the nodes' resolv.conf names the LAN's
+// bridge, where no server listens), so nothing is looked up outside.
+const (
+	clusterLAN   = "10.254.213" // .1 the LAN's bridge, .10 the server, .11 and .12 the agents
+	clusterCIDR  = "10.254.128.0/20"
+	serviceCIDR  = "10.254.144.0/24"
+	clusterDNS   = "10.254.144.10"
+	clusterToken = "k3s-pinning-cluster-e2e"
+
+	clusterWebRef     = "airgap.example/cluster/web:1.0"
+	clusterWebName    = "airgap-web"
+	clusterWebPort    = 8080
+	clusterRoleLabel  = "k3s-pinning.e2e/role"
+	clusterWorkload   = "registry.example/hand/cluster-workload:1.0"
+	clusterParkedName = "parked"
+)
+
+// The host paths a node's mount namespace mounts its own over: they must exist as mount points.
+// Those the test creates are removed afterwards (they stay empty on the host: the mounts are only
+// in the nodes' namespaces).
+var clusterMountPoints = []string{"/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/etc/rancher", "/var/lib/cni"}
+
+// nodeScript runs in the node's network namespace and a mount namespace of its own (a slave of the
+// host's), and mounts the node's private paths before it execs k3s. Not ip netns exec: it mounts a
+// sysfs of the network namespace over /sys, which hides the cgroup hierarchies mounted below it,
+// which the kubelet and runc need.
+const nodeScript = `set -e
+mount -t tmpfs -o mode=0755 tmpfs /run
+mount --bind "$NODE_DIR/root/kubelet" /var/lib/kubelet
+mount --bind "$NODE_DIR/root/pods" /var/log/pods
+mount --bind "$NODE_DIR/root/containers" /var/log/containers
+mount --bind "$NODE_DIR/root/rancher" /etc/rancher
+mount --bind "$NODE_DIR/root/cni" /var/lib/cni
+mount --bind "$NODE_DIR/resolv.conf" /etc/resolv.conf
+exec "$@"
+`
+
+// clusterCNIConf is the nodes' CNI config: k3s's own flannel conflist, at CNI 0.4.0, which the
+// plugins of build/cluster-tools.sh speak. containerd reads it from a dir of the node's own (the
+// containerd template's conf_dir): k3s writes its own, at 1.0.0, into agent/etc/cni/net.d, and
+// its --flannel-cni-conf does not replace it on this tree (k3s master 469d009fb parses the flag
+// but never hands it to its flannel setup: seen here, the pods' sandboxes failed with
+// "incompatible CNI versions; config is 1.0.0").
+const clusterCNIConf = `{
+  "name": "cbr0",
+  "cniVersion": "0.4.0",
+  "plugins": [
+    {"type": "flannel", "delegate": {"hairpinMode": true, "forceAddress": true, "isDefaultGateway": true}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+`
+
+// k3sClusterContainerdTemplate is the single node's template (this VM's settings) with the CNI
+// section of k3s's own template, the conf_dir the node's own (clusterCNIConf, at @CNI_CONF_DIR@).
+const k3sClusterContainerdTemplate = k3sContainerdTemplate + `
+[plugins.'io.containerd.cri.v1.runtime'.cni]
+  bin_dirs = [{{ printf "%q" .NodeConfig.AgentConfig.CNIBinDir }}]
+  conf_dir = "@CNI_CONF_DIR@"
+`
+
+// lan is the test's network: a namespace holding a bridge, and a namespace per node whose eth0 is
+// the other end of a veth pair on that bridge. The host's own interfaces and routes are never
+// touched: every link is made inside the namespaces.
+type lan struct {
+	t      *testing.T
+	prefix string
+	made   []string // namespaces, deleted in reverse order
+}
+
+func newLAN(t *testing.T) *lan {
+	t.Helper()
+	l := &lan{t: t, prefix: fmt.Sprintf("k3sp%d", os.Getpid()%100000)}
+	t.Cleanup(l.teardown)
+	ns := l.netns("lan")
+	l.ip("-n", ns, "link", "add", "br0", "type", "bridge")
+	l.ip("-n", ns, "addr", "add", clusterLAN+".1/24", "dev", "br0")
+	l.ip("-n", ns, "link", "set", "br0", "up")
+	l.ip("-n", ns, "link", "set", "lo", "up")
+	return l
+}
+
+func (l *lan) ip(args ...string) {
+	l.t.Helper()
+	if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+		l.t.Fatalf("ip %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+func (l *lan) netns(name string) string {
+	l.t.Helper()
+	ns := l.prefix + "-" + name
+	l.ip("netns", "add", ns)
+	l.made = append(l.made, ns)
+	return ns
+}
+
+// join makes node's namespace: eth0 at clusterLAN.octet on the bridge, a default route to the
+// bridge (the LAN namespace routes nowhere else), forwarding on (pods, flannel's host-gw routes).
+func (l *lan) join(node string, octet int) string {
+	l.t.Helper()
+	ns := l.netns(node)
+	veth := fmt.Sprintf("veth%d", octet)
+	lanNS := l.prefix + "-lan"
+	l.ip("-n", lanNS, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+	l.ip("-n", lanNS, "link", "set", veth, "master", "br0", "up")
+	l.ip("-n", ns, "addr", "add", fmt.Sprintf("%s.%d/24", clusterLAN, octet), "dev", "eth0")
+	l.ip("-n", ns, "link", "set", "eth0", "up")
+	l.ip("-n", ns, "link", "set", "lo", "up")
+	l.ip("-n", ns, "route", "add", "default", "via", clusterLAN+".1")
+	if out, err := exec.Command("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1").CombinedOutput(); err != nil {
+		l.t.Fatalf("sysctl net.ipv4.ip_forward in %s: %v\n%s", ns, err, out)
+	}
+	// Pods of one node reaching a Service backed by a pod of the same node cross its cni0 bridge:
+	// kube-proxy's rules must see bridged traffic (per namespace since Linux 5.3; absent, skipped).
+	exec.Command("ip", "netns", "exec", ns, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1").Run()
+	return ns
+}
+
+// teardown kills whatever still runs in the namespaces, then deletes them (with them, their links).
+func (l *lan) teardown() {
+	for i := len(l.made) - 1; i >= 0; i-- {
+		killNetnsProcs(l.made[i])
+		exec.Command("ip", "netns", "del", l.made[i]).Run()
+	}
+}
+
+// killNetnsProcs SIGKILLs every process in the network namespace ns and waits (10 s at most) for
+// them to go.
+func killNetnsProcs(ns string) {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		out, _ := exec.Command("ip", "netns", "pids", ns).Output()
+		pids := strings.Fields(string(out))
+		if len(pids) == 0 {
+			return
+		}
+		for _, p := range pids {
+			if pid, err := strconv.Atoi(p); err == nil {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
+}
+
+// cluster is the server and the agents, server first.
+type cluster struct {
+	t       *testing.T
+	bin     string // make k3s's bin dir
+	tools   string // build/cluster-tools.sh's dir
+	pinning bool
+	lan     *lan
+	nodes   []*clusterNode
+	// kubectlRunner runs kubectl in the server's network namespace, with its kubeconfig.
+	kubectlRunner
+}
+
+// clusterNode is one node of the cluster.
+type clusterNode struct {
+	*host
+	c         *cluster
+	name      string // the Node's name
+	ns        string // its network namespace
+	ip        string
+	server    bool
+	data      string // --data-dir
+	imagesDir string
+	hand      map[string]string // hand-import archives by reference
+	args      []string          // k3s's command line, without the binary
+	env       []string
+	cmd       *exec.Cmd
+	starts    int
+}
+
+func (c *cluster) server() *clusterNode { return c.nodes[0] }
+func (c *cluster) agents() []*clusterNode {
+	return c.nodes[1:]
+}
+
+// newCluster makes the LAN and the three nodes' dirs, images and configuration; start runs them.
+func newCluster(t *testing.T, bin, tools string, withPinning bool) *cluster {
+	t.Helper()
+	requireTools(t)
+	for _, tool := range []string{"ip", "nsenter"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s not found: the cluster e2e needs iproute2 and util-linux", tool)
+		}
+	}
+	if out, _ := exec.Command("pgrep", "-f", "k3s (server|agent)").Output(); len(out) > 0 {
+		t.Fatalf("a k3s is already running on this machine (%s)", strings.TrimSpace(string(out)))
+	}
+	created := absentPaths(clusterMountPoints...)
+	for _, p := range clusterMountPoints {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		for _, p := range created {
+			os.Remove(p) // empty: the nodes' mounts were in their own namespaces
+		}
+	})
+	c := &cluster{t: t, bin: bin, tools: tools, pinning: withPinning, lan: newLAN(t)}
+	c.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
+		s := c.server()
+		return exec.Command("ip", append([]string{"netns", "exec", s.ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
+	}}
+	images := clusterImages(t)
+	for i, name := range []string{"server", "agent-1", "agent-2"} {
+		c.nodes = append(c.nodes, c.newNode(name, 10+i, i == 0, images))
+	}
+	return c
+}
+
+func (c *cluster) newNode(name string, octet int, server bool, images map[string]v1.Image) *clusterNode {
+	t := c.t
+	t.Helper()
+	dir, err := os.MkdirTemp("", "k3s-pinning-cluster-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := filepath.Join(dir, "data")
+	n := &clusterNode{
+		host: &host{t: t, ctx: namespaces.WithNamespace(t.Context(), pinning.DefaultNamespace), dir: dir,
+			imagefs: filepath.Join(data, "agent", "containerd"), cgroupRoot: "k3sp-" + name},
+		c: c, name: "k3sp-" + name, ip: fmt.Sprintf("%s.%d", clusterLAN, octet), server: server,
+		data: data, imagesDir: filepath.Join(data, "agent", "images"), hand: map[string]string{},
+	}
+	t.Cleanup(n.cleanup)
+	n.ns = c.lan.join(name, octet)
+	n.makeCgroupRoot()
+	for _, d := range []string{"kubelet", "pods", "containers", "rancher/k3s/config.yaml.d", "cni"} {
+		if err := os.MkdirAll(filepath.Join(dir, "root", d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.writeFile(filepath.Join(dir, "resolv.conf"), "nameserver "+clusterLAN+".1\n")
+	n.writeFile(filepath.Join(dir, "cni", "10-flannel.conflist"), clusterCNIConf)
+	n.writeFile(filepath.Join(dir, "registries.yaml"), "mirrors:\n  \"*\":\n    endpoint:\n      - \"http://127.0.0.1:9\"\n")
+	n.mountImagefs(k3sImagefsSize)
+	n.writeImages(images)
+	n.writeFile(filepath.Join(data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), strings.ReplaceAll(k3sClusterContainerdTemplate, "@CNI_CONF_DIR@", filepath.Join(dir, "cni")))
+	n.writeFile(filepath.Join(data, "agent", "etc", "kubelet.conf.d", "50-k3s-pinning-e2e.conf"), fmt.Sprintf(k3sKubeletDropIn, evictionThreshold>>20))
+
+	n.args = []string{"--data-dir", data, "--node-name", n.name, "--node-ip", n.ip, "--flannel-iface", "eth0",
+		"--resolv-conf", filepath.Join(dir, "resolv.conf"),
+		"--kubelet-arg", "cgroup-root=/" + n.cgroupRoot,
+		// No pull ever leaves the node: every registry mirrored to a closed loopback port.
+		"--private-registry", filepath.Join(dir, "registries.yaml"), "--disable-default-registry-endpoint"}
+	if server {
+		n.args = append([]string{"server", "--token", clusterToken, "--cluster-cidr", clusterCIDR, "--service-cidr", serviceCIDR,
+			"--cluster-dns", clusterDNS, "--flannel-backend", "host-gw",
+			"--write-kubeconfig", filepath.Join(dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
+			"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
+			"--disable-network-policy", "--disable-cloud-controller", "--disable-helm-controller"}, n.args...)
+		if c.pinning {
+			n.args = append(n.args, "--pinned-workload-images")
+		}
+	} else {
+		n.args = append([]string{"agent", "--server", fmt.Sprintf("https://%s.10:6443", clusterLAN), "--token", clusterToken,
+			"--node-label", clusterRoleLabel + "=agent"}, n.args...)
+	}
+	if !c.pinning {
+		n.args = append(n.args, "--disable-image-pinning")
+	}
+	return n
+}
+
+// makeCgroupRoot creates the kubelet's --cgroup-root in every cgroup hierarchy (the kubelet
+// checks that it exists in each), with the root's cpus and memory nodes for cgroup v1's cpuset,
+// whose children need them before any process can join. releaseMounts removes them.
+func (n *clusterNode) makeCgroupRoot() {
+	n.t.Helper()
+	hierarchies, _ := filepath.Glob("/sys/fs/cgroup/*/cgroup.procs")
+	if top, _ := filepath.Glob("/sys/fs/cgroup/cgroup.procs"); len(top) > 0 {
+		hierarchies = append(hierarchies, top...) // cgroup v2 alone
+	}
+	for _, procs := range hierarchies {
+		dir := filepath.Join(filepath.Dir(procs), n.cgroupRoot)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			n.t.Fatal(err)
+		}
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			if data, err := os.ReadFile(filepath.Join(filepath.Dir(procs), f)); err == nil {
+				os.WriteFile(filepath.Join(dir, f), data, 0o644)
+			}
+		}
+	}
+}
+
+// clusterImages are the cluster's images, made once: every node that has an image has the same one.
+// The pause image (k3s's default name) and the web app (netcheck) run; the tool is run by nobody;
+// the hand imports are an image nobody wants and a workload's image.
+func clusterImages(t *testing.T) map[string]v1.Image {
+	t.Helper()
+	runs := func(size int64, bin string, entrypoint ...string) v1.Image {
+		img, err := imagetest.Image(size, imagetest.Amd64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bin == "" {
+			return img
+		}
+		if img, err = mutate.AppendLayers(img, binaryLayer(t, bin)); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := img.ConfigFile()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.Config.Entrypoint, cfg.Config.Cmd = entrypoint, nil
+		if img, err = mutate.ConfigFile(img, cfg); err != nil {
+			t.Fatal(err)
+		}
+		return img
+	}
+	sleeper, netcheck := testBinary(t, "sleeper"), testBinary(t, "netcheck")
+	return map[string]v1.Image{
+		k3sPauseRef:     runs(64<<10, sleeper, "/sleeper"),
+		clusterWebRef:   runs(16<<20, netcheck, "/netcheck", "serve", fmt.Sprintf(":%d", clusterWebPort)),
+		k3sToolRef:      runs(8<<20, sleeper, "/sleeper"),
+		unwantedRef:     runs(32<<20, ""),
+		clusterWorkload: runs(32<<20, ""),
+	}
+}
+
+// writeImages writes the node's images dir: the pause image and the web app in a docker archive
+// (as k3s's air-gap tarball), and on the agents also the tool (zstd OCI archive): some nodes hold
+// more than others. The hand-import archives (imported later, with ctr): the unwanted image and,
+// on the first agent only, the workload's.
+func (n *clusterNode) writeImages(images map[string]v1.Image) {
+	t := n.t
+	if err := os.MkdirAll(n.imagesDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	airgap := map[string]v1.Image{k3sPauseRef: images[k3sPauseRef], clusterWebRef: images[clusterWebRef]}
+	if err := imagetest.WriteDocker(filepath.Join(n.imagesDir, "airgap-images.tar"), airgap); err != nil {
+		t.Fatal(err)
+	}
+	if !n.server {
+		if err := imagetest.WriteOCI(filepath.Join(n.imagesDir, toolArchive), map[string]any{k3sToolRef: images[k3sToolRef]}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hand := []string{unwantedRef}
+	if n.name == "k3sp-agent-1" {
+		hand = append(hand, clusterWorkload)
+	}
+	for i, ref := range hand {
+		path := filepath.Join(n.dir, fmt.Sprintf("hand-%d.tar", i))
+		if err := imagetest.WriteDocker(path, map[string]v1.Image{ref: images[ref]}); err != nil {
+			t.Fatal(err)
+		}
+		n.hand[ref] = path
+	}
+}
+
+// airgapRefs are the references the node's images dir provides.
+func (n *clusterNode) airgapRefs() []string {
+	if n.server {
+		return []string{k3sPauseRef, clusterWebRef}
+	}
+	return []string{k3sPauseRef, clusterWebRef, k3sToolRef}
+}
+
+// start runs k3s in the node's namespaces and waits until its containerd answers, the Node is
+// registered, and its images dir is loaded.
+func (n *clusterNode) start() {
+	n.t.Helper()
+	n.starts++
+	cmd := exec.Command("nsenter", append([]string{"--net=/run/netns/" + n.ns, "--", "unshare", "--mount", "--propagation", "slave", "--",
+		"sh", "-c", nodeScript, "k3s-node", filepath.Join(n.c.bin, "k3s")}, n.args...)...)
+	cmd.Env = append(os.Environ(), append([]string{"NODE_DIR=" + n.dir,
+		"PATH=" + strings.Join([]string{filepath.Join(n.c.tools, "cni"), filepath.Join(n.c.tools, "bin"), n.c.bin, os.Getenv("PATH")}, ":")}, n.env...)...)
+	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
+	n.cmd = cmd
+	// Its containerd's socket, seen through its mount namespace (nsenter, unshare and the script
+	// each exec the next: the process is k3s).
+	socket := fmt.Sprintf("/proc/%d/root%s", cmd.Process.Pid, k3sContainerdSocket)
+	n.await(3*time.Minute, n.name+": containerd of k3s answering", func() bool {
+		if _, err := os.Stat(socket); err != nil {
+			return false
+		}
+		n.connect(socket)
+		return true
+	})
+	n.await(3*time.Minute, n.name+": the Node registered", func() bool { return n.c.kubectlOK("get", "node", n.name) })
+	n.await(2*time.Minute, n.name+": agent/images loaded", func() bool {
+		for _, present := range n.present(n.airgapRefs()...) {
+			if !present {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// inNode runs a command in the node's namespaces (those of its k3s process).
+func (n *clusterNode) inNode(name string, args ...string) (string, error) {
+	cmd := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(n.cmd.Process.Pid), "-n", "-m", "--", name}, args...)...)
+	cmd.Env = append(os.Environ(), "PATH="+n.c.bin+":"+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// handImport imports the node's hand archives with k3s's `ctr images import`, as an operator would.
+func (n *clusterNode) handImport() {
+	n.t.Helper()
+	for ref, archive := range n.hand {
+		if out, err := n.inNode(filepath.Join(n.c.bin, "ctr"), "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive); err != nil {
+			n.t.Fatalf("%s: ctr images import %s (%s): %v\n%s", n.name, archive, ref, err, out)
+		}
+	}
+}
+
+// cleanup stops everything the node started, whatever state the test left it in: its pods, k3s and
+// every process in its network namespace, its kubelet's cgroups, the loop device, its dir.
+func (n *clusterNode) cleanup() {
+	if n.t.Failed() && n.log != "" {
+		n.t.Logf("%s: k3s log (%s), last lines:\n%s", n.name, n.log, lastLines(n.log, 60))
+	}
+	n.stopPods()
+	if n.client != nil {
+		n.client.Close()
+	}
+	if n.cmd != nil {
+		containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+	}
+	if n.ns != "" {
+		killNetnsProcs(n.ns)
+	}
+	n.releaseMounts()
+	os.RemoveAll(n.dir)
+}
+
+func (c *cluster) apply(name, manifest string) {
+	c.t.Helper()
+	path := filepath.Join(c.server().dir, name+".yaml")
+	c.server().writeFile(path, manifest)
+	c.mustKubectl("apply", "-f", path)
+}
+
+// statusCluster is `k3s-pinning status --cluster` in the server's network namespace.
+func (c *cluster) statusCluster() (string, int) {
+	c.t.Helper()
+	s := c.server()
+	out, err := exec.Command("ip", "netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")).CombinedOutput()
+	if exit, ok := err.(*exec.ExitError); ok {
+		return string(out), exit.ExitCode()
+	} else if err != nil {
+		c.t.Fatal(err)
+	}
+	return string(out), 0
+}
+
+// start starts the server, then the agents, and waits until every node is Ready (the CNI is up).
+func (c *cluster) start() {
+	c.t.Helper()
+	for _, n := range c.nodes {
+		n.start()
+	}
+	c.server().await(3*time.Minute, "every node Ready", func() bool {
+		out, err := c.kubectl("get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}`)
+		return err == nil && strings.Count(out, "=True") == len(c.nodes)
+	})
+	c.server().await(2*time.Minute, "the default service account", func() bool { return c.kubectlOK("get", "serviceaccount", "default") })
+}
+
+// pods are the pods of app app: node name -> phase (a waiting container's reason, when there is one).
+func (c *cluster) pods(app string) map[string][]string {
+	out, err := c.kubectl("get", "pods", "-l", "app="+app, "-o", "json")
+	if err != nil {
+		return nil
+	}
+	var list corev1.PodList
+	if json.Unmarshal([]byte(out), &list) != nil {
+		return nil
+	}
+	states := map[string][]string{}
+	for _, pod := range list.Items {
+		state := string(pod.Status.Phase)
+		if pod.Status.Reason != "" {
+			state = pod.Status.Reason
+		}
+		for _, cs := range pod.Status.ContainerStatuses {
+			if cs.State.Waiting != nil && cs.State.Waiting.Reason != "" {
+				state = cs.State.Waiting.Reason
+			}
+		}
+		states[pod.Spec.NodeName] = append(states[pod.Spec.NodeName], state)
+	}
+	return states
+}
+
+// runningOnEveryAgent says whether app has a Running pod on each agent.
+func (c *cluster) runningOnEveryAgent(app string) bool {
+	pods := c.pods(app)
+	for _, a := range c.agents() {
+		if !slices.Contains(pods[a.name], "Running") {
+			return false
+		}
+	}
+	return true
+}
+
+// deployWeb runs the web app on the agents: a Deployment of 2 replicas, one per agent, from the
+// images dir only (imagePullPolicy: Never), pod networking (the CNI), behind a Service.
+func (c *cluster) deployWeb() {
+	c.t.Helper()
+	c.apply(clusterWebName, fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata: {name: %[1]s, namespace: default}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+      terminationGracePeriodSeconds: 1
+      nodeSelector: {%[3]s: agent}
+      topologySpreadConstraints:
+      - {maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule, labelSelector: {matchLabels: {app: %[1]s}}}
+      containers:
+      - name: web
+        image: %[2]s
+        imagePullPolicy: Never
+        env: [{name: NODE_NAME, valueFrom: {fieldRef: {fieldPath: spec.nodeName}}}]
+        ports: [{containerPort: %[4]d}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: %[1]s, namespace: default}
+spec:
+  selector: {app: %[1]s}
+  ports: [{port: 80, targetPort: %[4]d}]
+`, clusterWebName, clusterWebRef, clusterRoleLabel, clusterWebPort))
+	c.server().await(3*time.Minute, "the web app Running on both agents", func() bool { return c.runningOnEveryAgent(clusterWebName) })
+}
+
+// crossNodeRequest runs a pod on from that asks the web Service until the pod on to answers, and
+// returns how the pod ended (Succeeded: the request crossed from one agent to the other).
+func (c *cluster) crossNodeRequest(from, to *clusterNode) string {
+	c.t.Helper()
+	ip := strings.TrimSpace(c.mustKubectl("get", "service", clusterWebName, "-o", "jsonpath={.spec.clusterIP}"))
+	name := "client-" + strings.TrimPrefix(from.name, "k3sp-")
+	c.apply(name, fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: %[1]s, namespace: default, labels: {app: %[1]s}}
+spec:
+  nodeName: %[2]s
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: get, image: %[3]s, imagePullPolicy: Never, command: [/netcheck, get, "http://%[4]s/", %[5]s]}
+`, name, from.name, clusterWebRef, ip, to.name))
+	var phase string
+	c.server().await(2*time.Minute, name+" done", func() bool {
+		out, _ := c.kubectl("get", "pod", name, "-o", "jsonpath={.status.phase}")
+		phase = strings.TrimSpace(out)
+		return phase == "Succeeded" || phase == "Failed"
+	})
+	logs, _ := c.kubectl("logs", name)
+	c.t.Logf("%s on %s, asking %s (Service %s) for %s's pod: %s\n%s", name, from.name, clusterWebName, ip, to.name, phase, tail(logs, 3))
+	return phase
+}
+
+// parkWorkload runs a Deployment scaled to 0 whose image was imported by hand on the first agent
+// only; with --pinned-workload-images (and the ClusterRole bound to the nodes) that agent keeps
+// it pinned.
+func (c *cluster) parkWorkload() {
+	c.t.Helper()
+	c.mustKubectl("apply", "-f", filepath.Join(repoRoot(c.t), "deploy", "k3s-pinning-workloads.yaml"))
+	c.apply(clusterParkedName, fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata: {name: %[1]s, namespace: default}
+spec:
+  replicas: 0
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+      containers:
+      - {name: main, image: %[2]s, imagePullPolicy: Never}
+`, clusterParkedName, clusterWorkload))
+}
+
+// TestCluster: the patched k3s as a cluster of a server and two agents, k3s-pinning's flags
+// given each way a k3s operator gives them, then real disk pressure on one agent.
+func TestCluster(t *testing.T) {
+	bin := k3sBinDir(t)
+	tools := os.Getenv("K3S_CLUSTER_TOOLS")
+	if tools == "" {
+		t.Skip("*** SKIPPED: K3S_CLUSTER_TOOLS is not set: make cluster-e2e builds the nodes' iptables and CNI plugins (build/cluster-tools.sh) and sets it ***")
+	}
+	c := newCluster(t, bin, tools, true)
+	agent1, agent2 := c.agents()[0], c.agents()[1]
+	// The agents take k3s-pinning's flags as an operator gives them: agent-1 from its
+	// config.yaml and a drop-in beside it, agent-2 from its config.yaml and a K3S_ variable.
+	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
+	agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+	agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*"}
+	start := time.Now()
+	c.start()
+	t.Logf("cluster of %d nodes Ready in %s", len(c.nodes), time.Since(start).Round(time.Second))
+
+	for _, n := range c.nodes {
+		for ref, pinned := range n.pins(n.airgapRefs()...) {
+			if !pinned {
+				t.Errorf("%s: %s not pinned after the first start", n.name, ref)
+			}
+		}
+	}
+	out, code := "", -1
+	c.server().await(2*time.Minute, "status --cluster: every node protected", func() bool {
+		out, code = c.statusCluster()
+		return code == 0 && strings.Count(out, " True ") == len(c.nodes)
+	})
+	t.Logf("k3s-pinning status --cluster (exit %d):\n%s", code, out)
+
+	c.deployWeb()
+	if phase := c.crossNodeRequest(agent2, agent1); phase != "Succeeded" {
+		t.Errorf("a pod on %s did not reach the pod on %s through the Service: %s", agent2.name, agent1.name, phase)
+	}
+
+	for _, n := range c.agents() {
+		n.handImport()
+	}
+	c.parkWorkload()
+	agent1.await(2*time.Minute, clusterWorkload+" pinned on "+agent1.name+" for the Deployment scaled to 0", func() bool { return agent1.criPinned(clusterWorkload) })
+
+	// Real disk pressure on agent-1: its kubelet reclaims (the unwanted hand import goes) and
+	// evicts; every air-gap image of that node and the workload's image stay; the web pod comes
+	// back Running; agent-2 and the server are untouched.
+	before := map[string]map[string]bool{}
+	for _, n := range c.nodes {
+		before[n.name] = n.present(n.airgapRefs()...)
+	}
+	release := agent1.fill(evictionThreshold - 100<<20)
+	reclaim := agent1.await(3*time.Minute, agent1.name+": the kubelet reclaiming the unwanted image under disk pressure", func() bool { return !agent1.present(unwantedRef)[unwantedRef] })
+	time.Sleep(15 * time.Second) // the reclaim after an eviction (an evicted pod's image is unused then)
+	after := agent1.present(append(agent1.airgapRefs(), clusterWorkload)...)
+	if err := os.Remove(release); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s: pressure reclaimed in %s; present after: %v", agent1.name, reclaim.Round(100*time.Millisecond), after)
+	for ref, ok := range after {
+		if !ok {
+			t.Errorf("%s: %s DELETED by the kubelet under disk pressure", agent1.name, ref)
+		}
+	}
+	c.server().await(3*time.Minute, "the web app Running on both agents after the pressure", func() bool { return c.runningOnEveryAgent(clusterWebName) })
+	for _, n := range []*clusterNode{c.server(), agent2} {
+		if got := n.present(n.airgapRefs()...); !maps.Equal(got, before[n.name]) {
+			t.Errorf("%s: images changed while %s was under pressure: %v, before %v", n.name, agent1.name, got, before[n.name])
+		}
+	}
+	if !agent2.present(unwantedRef)[unwantedRef] {
+		t.Errorf("%s: its unwanted hand import is gone, but the pressure was on %s", agent2.name, agent1.name)
+	}
+}
