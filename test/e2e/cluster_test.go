@@ -694,4 +694,45 @@ func TestCluster(t *testing.T) {
 	if !agent2.present(unwantedRef)[unwantedRef] {
 		t.Errorf("%s: its unwanted hand import is gone, but the pressure was on %s", agent2.name, agent1.name)
 	}
+
+	// The server stopped for 60 s: the agents keep protecting locally (a crictl rmi of an air-gap
+	// image on agent-1 is restored meanwhile), and once the API server is back its Event and the
+	// condition reach the cluster, with no agent restarted.
+	c.server().stop()
+	downSince := time.Now()
+	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sToolRef); err != nil {
+		t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, k3sToolRef, err, out)
+	}
+	restored := agent1.await(30*time.Second, k3sToolRef+" restored on "+agent1.name+" while the server is down", func() bool {
+		return agent1.present(k3sToolRef)[k3sToolRef] && agent1.criPinned(k3sToolRef)
+	})
+	t.Logf("server down: %s restored and pinned on %s in %s", k3sToolRef, agent1.name, restored.Round(100*time.Millisecond))
+	time.Sleep(60*time.Second - time.Since(downSince))
+	c.server().start()
+	back := c.server().await(3*time.Minute, "the ImageRestored Event of "+agent1.name+" in the cluster", func() bool {
+		out, err := c.kubectl("get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+agent1.name+",reason=ImageRestored",
+			"-o", "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}")
+		return err == nil && strings.Contains(out, k3sToolRef)
+	})
+	out, code = "", -1
+	c.server().await(2*time.Minute, "status --cluster: every node protected after the server's return", func() bool {
+		out, code = c.statusCluster()
+		return code == 0 && strings.Count(out, " True ") == len(c.nodes)
+	})
+	t.Logf("server back: the ImageRestored Event in the cluster %s after its start; status --cluster (exit %d):\n%s", back.Round(time.Second), code, out)
+	for _, a := range c.agents() {
+		if a.starts != 1 {
+			t.Errorf("%s was started %d times", a.name, a.starts)
+		}
+	}
+}
+
+// stop stops the node's k3s (SIGTERM, as systemd does) and waits for it; its pods keep running.
+func (n *clusterNode) stop() {
+	n.t.Helper()
+	if n.client != nil {
+		n.client.Close()
+		n.client = nil
+	}
+	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
 }

@@ -7,6 +7,7 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -119,7 +121,7 @@ func NewNode(client kubernetes.Interface, node string) *Node {
 	// the same one in a single Event; its spam filter lets 25 through per node and reason, then
 	// one each 5 minutes (client-go's defaults, the kubelet's too, set here on purpose).
 	b := record.NewBroadcasterWithCorrelatorOptions(record.CorrelatorOptions{BurstSize: 25, QPS: 1.0 / 300})
-	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	b.StartRecordingToSink(retryingSink{&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")}})
 	return &Node{
 		client:   client,
 		node:     node,
@@ -127,6 +129,41 @@ func NewNode(client kubernetes.Interface, node string) *Node {
 		stop:     b.Shutdown,
 		changed:  make(chan struct{}, 1),
 	}
+}
+
+// retryingSink is the recorder's sink of Events, but an answer saying that the API server is not
+// there (yet) comes back as a transport error, which client-go's recorder retries (12 tries about
+// 10 s apart), not as the rejection it drops at once. Seen in make cluster-e2e: while a server was
+// stopped, its agents' API answered "apiserver not ready" (k3s's agent load balancer), and an
+// ImageRestored Event of that time never reached the cluster, though the condition did.
+type retryingSink struct{ record.EventSink }
+
+func (s retryingSink) Create(e *corev1.Event) (*corev1.Event, error) {
+	out, err := s.EventSink.Create(e)
+	return out, unavailableAsTransient(err)
+}
+
+func (s retryingSink) Update(e *corev1.Event) (*corev1.Event, error) {
+	out, err := s.EventSink.Update(e)
+	return out, unavailableAsTransient(err)
+}
+
+func (s retryingSink) Patch(e *corev1.Event, data []byte) (*corev1.Event, error) {
+	out, err := s.EventSink.Patch(e, data)
+	return out, unavailableAsTransient(err)
+}
+
+// unavailableAsTransient is err, but a status that says the server could not answer now (503,
+// 429, a server timeout, a 5xx) as a plain error.
+func unavailableAsTransient(err error) error {
+	var status apierrors.APIStatus
+	if err == nil || !errors.As(err, &status) {
+		return err
+	}
+	if code := status.Status().Code; code >= 500 || code == 429 || apierrors.IsServerTimeout(err) {
+		return fmt.Errorf("the API server is not available (will retry): %s", err.Error())
+	}
+	return err
 }
 
 // nodeRef is the Node as the kubelet refers to it in its events (its UID is the name).

@@ -1,11 +1,14 @@
 package cluster
 
 import (
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 )
@@ -44,3 +47,36 @@ func TestCondition(t *testing.T) {
 		})
 	}
 }
+
+// An Event the API server could not take now (k3s's agent load balancer answers 503 "apiserver
+// not ready" while the server restarts) goes back to the recorder as an error it retries; one the
+// server refused for what it is stays a rejection, which the recorder drops.
+func TestEventsAreRetriedWhileTheServerIsAway(t *testing.T) {
+	cases := []struct {
+		err   error
+		retry bool
+	}{
+		{apierrors.NewServiceUnavailable("apiserver not ready"), true},
+		{apierrors.NewTooManyRequests("slow down", 1), true},
+		{apierrors.NewInternalError(errors.New("etcd")), true},
+		{apierrors.NewServerTimeout(schema.GroupResource{Resource: "events"}, "create", 1), true},
+		{apierrors.NewAlreadyExists(schema.GroupResource{Resource: "events"}, "e"), false},
+		{apierrors.NewForbidden(schema.GroupResource{Resource: "events"}, "e", errors.New("no")), false},
+		{errors.New("connection refused"), true}, // already a transport error: unchanged
+	}
+	for _, c := range cases {
+		sink := retryingSink{failingSink{c.err}}
+		_, err := sink.Create(&corev1.Event{})
+		var status apierrors.APIStatus
+		if retried := !errors.As(err, &status); retried != c.retry {
+			t.Errorf("%v: retried by the recorder %t, want %t (got %T %v)", c.err, retried, c.retry, err, err)
+		}
+	}
+}
+
+// failingSink answers every call with err.
+type failingSink struct{ err error }
+
+func (s failingSink) Create(*corev1.Event) (*corev1.Event, error)        { return nil, s.err }
+func (s failingSink) Update(*corev1.Event) (*corev1.Event, error)        { return nil, s.err }
+func (s failingSink) Patch(*corev1.Event, []byte) (*corev1.Event, error) { return nil, s.err }
