@@ -12,7 +12,7 @@
 #  - the CNI plugins: github.com/containernetworking/plugins v0.9.1 from the Go module proxy, the
 #    last release with the flannel plugin (later releases left it to flannel-io/cni-plugin, which
 #    the proxy refuses, as it refuses k3s-io/plugins, the build k3s bundles), static. They speak
-#    CNI up to 0.4.0: the cluster's conflist (--flannel-cni-conf) says 0.4.0.
+#    CNI up to 0.4.0: the cluster's conflist (test/e2e/cluster_test.go) says 0.4.0.
 set -euo pipefail
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/k3s-pinning/cluster-tools
 cni_version=v0.9.1
@@ -29,7 +29,11 @@ if [ ! -x "$cache/bin/iptables" ] || [ ! -x "$cache/cni/flannel" ] || [ "$(cat "
     (cd "$tmp/debs" && apt-get download $debs >/dev/null) || { echo "cluster-tools: apt-get download $debs failed" >&2; exit 1; }
   fi
   for deb in "$tmp"/debs/*.deb; do dpkg-deb -x "$deb" "$tmp/root"; done
-  lib=$cache/root/usr/lib/x86_64-linux-gnu
+  # The packages' library dir (usr/lib/<machine's multiarch triplet>), as it will be once moved.
+  libxtables=$(find "$tmp/root" -name 'libxtables.so.*' | head -1)
+  [ -n "$libxtables" ] || { echo "cluster-tools: no libxtables in the unpacked packages" >&2; exit 1; }
+  lib=$cache/${libxtables#"$tmp"/}
+  lib=${lib%/*}
   for applet in $applets; do
     printf '#!/bin/sh\nLD_LIBRARY_PATH=%s XTABLES_LIBDIR=%s/xtables exec %s/root/usr/sbin/xtables-nft-multi %s "$@"\n' \
       "$lib" "$lib" "$cache" "$applet" > "$tmp/bin/$applet"

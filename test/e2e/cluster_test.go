@@ -181,12 +181,11 @@ func killNetnsProcs(ns string) {
 
 // cluster is the server and the agents, server first.
 type cluster struct {
-	t       *testing.T
-	bin     string // make k3s's bin dir
-	tools   string // build/cluster-tools.sh's dir
-	pinning bool
-	lan     *lan
-	nodes   []*clusterNode
+	t     *testing.T
+	bin   string // make k3s's bin dir
+	tools string // build/cluster-tools.sh's dir
+	lan   *lan
+	nodes []*clusterNode
 	// kubectlRunner runs kubectl in the server's network namespace, with its kubeconfig.
 	kubectlRunner
 }
@@ -214,7 +213,7 @@ func (c *cluster) agents() []*clusterNode {
 }
 
 // newCluster makes the LAN and the three nodes' dirs, images and configuration; start runs them.
-func newCluster(t *testing.T, bin, tools string, withPinning bool) *cluster {
+func newCluster(t *testing.T, bin, tools string) *cluster {
 	t.Helper()
 	requireTools(t)
 	for _, tool := range []string{"ip", "nsenter"} {
@@ -236,7 +235,7 @@ func newCluster(t *testing.T, bin, tools string, withPinning bool) *cluster {
 			os.Remove(p) // empty: the nodes' mounts were in their own namespaces
 		}
 	})
-	c := &cluster{t: t, bin: bin, tools: tools, pinning: withPinning, lan: newLAN(t)}
+	c := &cluster{t: t, bin: bin, tools: tools, lan: newLAN(t)}
 	c.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
 		s := c.server()
 		return exec.Command("ip", append([]string{"netns", "exec", s.ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
@@ -288,16 +287,11 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 			"--cluster-dns", clusterDNS, "--flannel-backend", "host-gw",
 			"--write-kubeconfig", filepath.Join(dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
 			"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
-			"--disable-network-policy", "--disable-cloud-controller", "--disable-helm-controller"}, n.args...)
-		if c.pinning {
-			n.args = append(n.args, "--pinned-workload-images")
-		}
+			"--disable-network-policy", "--disable-cloud-controller", "--disable-helm-controller",
+			"--pinned-workload-images"}, n.args...)
 	} else {
 		n.args = append([]string{"agent", "--server", fmt.Sprintf("https://%s.10:6443", clusterLAN), "--token", clusterToken,
 			"--node-label", clusterRoleLabel + "=agent"}, n.args...)
-	}
-	if !c.pinning {
-		n.args = append(n.args, "--disable-image-pinning")
 	}
 	return n
 }
@@ -628,7 +622,7 @@ func TestCluster(t *testing.T) {
 	if tools == "" {
 		t.Skip("*** SKIPPED: K3S_CLUSTER_TOOLS is not set: make cluster-e2e builds the nodes' iptables and CNI plugins (build/cluster-tools.sh) and sets it ***")
 	}
-	c := newCluster(t, bin, tools, true)
+	c := newCluster(t, bin, tools)
 	agent1, agent2 := c.agents()[0], c.agents()[1]
 	// The agents take k3s-pinning's flags as an operator gives them: agent-1 from its
 	// config.yaml and a drop-in beside it, agent-2 from its config.yaml and a K3S_ variable.
