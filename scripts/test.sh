@@ -13,6 +13,12 @@ phase() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 
 # A /run/k3s that was there before (a k3s of the machine) is not the tests' to judge.
 had_run_k3s=$([ -e /run/k3s ] && echo yes || echo no)
+# The host paths the cluster e2e mounts over in its nodes' namespaces: those absent now must be
+# absent at the end (it creates them as mount points and removes them).
+cluster_paths=()
+for p in /var/lib/rancher /var/lib/kubelet /var/log/pods /var/log/containers /etc/rancher /var/lib/cni; do
+  [ -e "$p" ] || cluster_paths+=("$p")
+done
 
 # leaks [rc]: the exit code so far is $? (as the EXIT trap), or the argument when a trap that ran
 # commands first passes it on.
@@ -59,6 +65,12 @@ leaks() {
     compgen -G '/sys/fs/cgroup/*/k3sp-*' >&2 || true
     rc=1
   fi
+  for p in "${cluster_paths[@]}"; do
+    if [ -e "$p" ]; then
+      echo "FAIL: a test left $p behind (absent when make test started)" >&2
+      rc=1
+    fi
+  done
   [ "$rc" -eq 0 ] && echo "== all tests passed ($(( $(date +%s) - t0 )) s)"
   exit "$rc"
 }

@@ -16,14 +16,21 @@ import (
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 )
 
-// reporterFor is the Node reporter run uses with --kubeconfig; without it none, and protection
-// stays node-local (the DaemonSet mounts no service account token).
+// reporterFor is the Node reporter run uses with --kubeconfig or --in-cluster; without either none,
+// and protection stays node-local.
 func reporterFor(o *options) (*cluster.Node, error) {
-	if o.kubeconfig == "" {
+	switch {
+	case o.kubeconfig == "" && !o.inCluster:
 		return nil, nil
+	case o.kubeconfig != "" && o.inCluster:
+		return nil, fmt.Errorf("--kubeconfig %s and --in-cluster: give one", o.kubeconfig)
 	}
 	node := o.nodeName
-	if node == "" {
+	switch {
+	case node == "" && o.inCluster:
+		// A pod's host name is the pod's, not its node's: reporting on it would fail, or worse.
+		return nil, fmt.Errorf("--in-cluster needs --node-name (NODE_NAME; the DaemonSet sets it from the pod's spec.nodeName)")
+	case node == "":
 		var err error
 		if node, err = cluster.NodeName(); err != nil {
 			return nil, fmt.Errorf("--node-name not given and no host name: %w", err)
@@ -31,6 +38,9 @@ func reporterFor(o *options) (*cluster.Node, error) {
 	}
 	r, err := cluster.ForKubeconfig(o.kubeconfig, node)
 	if err != nil {
+		if o.inCluster {
+			return nil, fmt.Errorf("--in-cluster: %w", err)
+		}
 		return nil, err
 	}
 	logrus.Infof("k3s-pinning run: reporting Events and condition %s on node %s", cluster.ConditionType, node)

@@ -22,10 +22,18 @@ func TestClusterUsageErrors(t *testing.T) {
 	}{
 		{[]string{"status", "--cluster", "--kubeconfig", missing}, "", []string{"status --cluster", missing}},
 		{[]string{"status", "--cluster", "--kubeconfig", garbage}, "", []string{"status --cluster", garbage}},
+		// --cluster is a boolean: it never takes the flag after it as its value (it once did)
+		{[]string{"status", "--cluster", "--kubeconfig", missing, "-o", "json"}, "", []string{"kubeconfig " + missing}},
+		{[]string{"status", "--cluster", "-o", "json", "--kubeconfig", missing}, "", []string{"kubeconfig " + missing}},
 		// $KUBECONFIG is read when the flag is not given
 		{[]string{"status", "--cluster"}, missing, []string{missing}},
 		{[]string{"run", "--pinned-workload-images", "--containerd-address", missing}, "", []string{"--pinned-workload-images", "--kubeconfig"}},
 		{[]string{"run", "--kubeconfig", missing, "--containerd-address", missing}, "", []string{"run:", missing}},
+		{[]string{"run", "--kubeconfig", missing, "--in-cluster", "--node-name", "n1", "--containerd-address", missing}, "", []string{"--kubeconfig", "--in-cluster"}},
+		// a pod's host name is not its node's: the node is named, or nothing runs
+		{[]string{"run", "--in-cluster", "--containerd-address", missing}, "", []string{"--in-cluster", "--node-name", "NODE_NAME"}},
+		// not in a pod: no service account to report with
+		{[]string{"run", "--in-cluster", "--node-name", "n1", "--containerd-address", missing}, "", []string{"--in-cluster", "KUBERNETES_SERVICE_HOST"}},
 	} {
 		cmd := strings.Join(tc.args, " ")
 		t.Setenv("KUBECONFIG", tc.env)

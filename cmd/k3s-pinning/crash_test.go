@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -13,10 +14,14 @@ import (
 	"testing"
 	"time"
 
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
 // TestKilledAgentRecovers kills `k3s-pinning run` with SIGKILL at seeded random moments of its
@@ -132,8 +137,17 @@ func TestKilledAtEachCrashPoint(t *testing.T) {
 				t.Errorf("SIGKILL at %s left %d temporary state files, want the killed writer's one", point, len(temps))
 			}
 
+			// Killed mid-import, the agent left its import lease (content held, no reference yet).
+			leases := importLeases(t, d.Address)
+			if point == "import" && leases == 0 {
+				t.Errorf("no import lease after SIGKILL at %s: the content was held by none", point)
+			}
+
 			startRun(t, common...)
 			waitPresentAndPinned(t, refs, common...)
+			if n := importLeases(t, d.Address); n != 0 {
+				t.Errorf("%d import lease(s) left after the next run (SIGKILL at %s had left %d)", n, point, leases)
+			}
 			for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
 				data, _ := os.ReadFile(state)
 				if strings.Contains(string(data), "second.tar.zst") {
@@ -151,6 +165,27 @@ func TestKilledAtEachCrashPoint(t *testing.T) {
 			}
 		})
 	}
+}
+
+// importLeases counts k3s-pinning's import leases in the daemon at address.
+func importLeases(t *testing.T, address string) int {
+	t.Helper()
+	client, err := containerd.New(address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	all, err := client.LeasesService().List(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, l := range all {
+		if _, ok := l.Labels[images.LabelImportLease]; ok {
+			n++
+		}
+	}
+	return n
 }
 
 // waitPresentAndPinned waits up to a minute for `status` to show every ref present and pinned.

@@ -49,7 +49,7 @@ type options struct {
 	run                                      images.RunOptions
 	// the cluster view: where Events and the node condition go (run), what status --cluster reads
 	kubeconfig, nodeName string
-	cluster              bool
+	inCluster, cluster   bool
 	reporter             images.Reporter
 }
 
@@ -67,7 +67,7 @@ func commonFlags(o *options) []cli.Flag {
 func main() {
 	logrus.SetOutput(os.Stderr)
 	app := newApp(os.Stdout)
-	if err := app.Run(flagsFirst(os.Args)); err != nil {
+	if err := app.Run(flagsFirst(app, os.Args)); err != nil {
 		var ec cli.ExitCoder
 		if errors.As(err, &ec) {
 			fmt.Fprintln(os.Stderr, "k3s-pinning:", err)
@@ -111,6 +111,7 @@ func newApp(stdout io.Writer) *cli.App {
 					&cli.BoolFlag{Name: "restore", Value: true, Usage: "re-import a wanted image that was deleted, from its archive", Destination: &o.run.Restore},
 					&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus /metrics here (a bare :port listens on 127.0.0.1)", Destination: &o.metricsAddress},
 					&cli.StringFlag{Name: "kubeconfig", EnvVars: []string{"K3S_PINNING_KUBECONFIG"}, Usage: "report Events and the " + string(cluster.ConditionType) + " condition on this node's Node object with this kubeconfig (its user may create events and patch nodes/status)", Destination: &o.kubeconfig},
+					&cli.BoolFlag{Name: "in-cluster", Usage: "report as --kubeconfig does, with the pod's service account (the DaemonSet); needs --node-name", Destination: &o.inCluster},
 					&cli.StringFlag{Name: "node-name", EnvVars: []string{"NODE_NAME"}, Usage: "the Node to report on (default: the host name in lower case, as k3s)", Destination: &o.nodeName},
 				),
 				Action: func(c *cli.Context) error {
@@ -119,7 +120,7 @@ func newApp(stdout io.Writer) *cli.App {
 						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
 					}
 					if o.policy.PinnedWorkloadImages && reporter == nil {
-						return cli.Exit("run: --"+images.FlagPinnedWorkloadImages+" reads the cluster's workloads: give --kubeconfig", exitUsage)
+						return cli.Exit("run: --"+images.FlagPinnedWorkloadImages+" reads the cluster's workloads: give --kubeconfig or --in-cluster", exitUsage)
 					}
 					if reporter != nil {
 						o.reporter = reporter
@@ -359,11 +360,21 @@ func printAgentView(w io.Writer, v images.AgentView) {
 
 // flagsFirst moves the flags of a subcommand ahead of its references, so that
 // `k3s-pinning pin REF --containerd-address S` works: urfave/cli stops reading flags at the first
-// argument. Every flag here takes a value except the booleans help and restore, so any other flag
-// without "=" takes the next token.
-func flagsFirst(args []string) []string {
+// argument. A flag of the subcommand takes the next token as its value unless it is a boolean
+// (--cluster, --in-cluster, --restore, ...) or written with "="; help and unknown flags take none
+// (an unknown flag is then named by urfave/cli's error, not its neighbour).
+func flagsFirst(app *cli.App, args []string) []string {
 	if len(args) < 3 {
 		return args
+	}
+	takesValue := map[string]bool{}
+	if cmd := app.Command(args[1]); cmd != nil {
+		for _, f := range cmd.Flags {
+			_, isBool := f.(*cli.BoolFlag)
+			for _, name := range f.Names() {
+				takesValue[name] = !isBool
+			}
+		}
 	}
 	var flags, refs []string
 	rest := args[2:]
@@ -375,8 +386,7 @@ func flagsFirst(args []string) []string {
 			i = len(rest)
 		case strings.HasPrefix(a, "-") && len(a) > 1:
 			flags = append(flags, a)
-			name := strings.TrimLeft(a, "-")
-			if !strings.Contains(a, "=") && name != "help" && name != "h" && name != "restore" && i+1 < len(rest) {
+			if !strings.Contains(a, "=") && takesValue[strings.TrimLeft(a, "-")] && i+1 < len(rest) {
 				i++
 				flags = append(flags, rest[i])
 			}

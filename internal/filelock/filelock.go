@@ -8,5 +8,8 @@ import "os"
 // Lock blocks until f is exclusively locked by this process.
 func Lock(f *os.File) error { return lock(f) }
 
+// TryLock locks f exclusively if no one else holds it, and says whether it did; it never blocks.
+func TryLock(f *os.File) (bool, error) { return tryLock(f) }
+
 // Unlock releases the lock Lock took; closing f does too.
 func Unlock(f *os.File) error { return unlock(f) }

@@ -42,3 +42,28 @@ func TestLockExcludesUntilUnlock(t *testing.T) {
 		t.Fatal("second Lock still waiting after the first unlocked")
 	}
 }
+
+// TryLock fails, without waiting, while another holds the lock, and takes it once released.
+func TestTryLockFailsWhileHeld(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "lock")
+	first, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	if ok, err := TryLock(first); !ok || err != nil {
+		t.Fatalf("TryLock of a free lock: %v, %v", ok, err)
+	}
+	second, err := os.OpenFile(path, os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if ok, err := TryLock(second); ok || err != nil {
+		t.Fatalf("TryLock while another holds the lock: %v, %v; want false, nil", ok, err)
+	}
+	first.Close()
+	if ok, err := TryLock(second); !ok || err != nil {
+		t.Fatalf("TryLock after the holder closed the file: %v, %v", ok, err)
+	}
+}

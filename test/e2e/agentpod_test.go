@@ -42,22 +42,32 @@ func goInRoot(t *testing.T, args ...string) {
 	}
 }
 
+// writeAgentImage writes the k3s-pinning image archive to out as make release does: the static
+// binary (-trimpath -s -w, CGO off), in an image written by build/release-image. It returns the
+// binary.
+func writeAgentImage(t *testing.T, out string) string {
+	t.Helper()
+	cache, err := os.UserCacheDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(cache, "k3s-pinning", "e2e", "k3s-pinning-static")
+	goInRoot(t, "build", "-trimpath", "-ldflags", "-s -w -X main.version=e2e", "-o", bin, "./cmd/k3s-pinning")
+	goInRoot(t, "run", "./build/release-image", "-ref", agentRef, "-version", "e2e", "-out", out, "linux/amd64="+bin)
+	return bin
+}
+
 // deployAgentPod puts k3s-pinning on the node as an operator does with make release's artifacts:
 // the image archive (the static binary, as build/release-image writes it) in the images dir,
 // loaded by `k3s-pinning sync` before the kubelet starts (k3s imports agent/images before its
 // kubelet), and deploy/k3s-pinning.yaml's pod template as a static pod, with the hostPath mounts
-// pointing at this node's containerd, images dir and state dir. Two changes, both because the
-// e2e node has no CNI: host network, and the metrics port a free one (the liveness probe's).
+// pointing at this node's containerd, images dir and state dir. Changes, because the e2e node
+// has no CNI: host network, and the metrics port a free one (the liveness probe's); and because
+// it has no API server: no service account, no --in-cluster (the cluster e2e runs the DaemonSet
+// as it is, reporting).
 func (n *node) deployAgentPod() {
 	n.t.Helper()
-	cache, err := os.UserCacheDir()
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	bin := filepath.Join(cache, "k3s-pinning", "e2e", "k3s-pinning-static")
-	goInRoot(n.t, "build", "-trimpath", "-ldflags", "-s -w -X main.version=e2e", "-o", bin, "./cmd/k3s-pinning")
-	goInRoot(n.t, "run", "./build/release-image", "-ref", agentRef, "-version", "e2e",
-		"-out", filepath.Join(n.imagesDir, "k3s-pinning-image.tar"), "linux/amd64="+bin)
+	bin := writeAgentImage(n.t, filepath.Join(n.imagesDir, "k3s-pinning-image.tar"))
 	stateDir := filepath.Join(n.dir, "state")
 	n.run(bin, "sync", "--containerd-address", n.daemon.Address, "--images-dir", n.imagesDir, "--state-file", filepath.Join(stateDir, "state.json"))
 
@@ -78,6 +88,7 @@ func (n *node) deployAgentPod() {
 	}
 	spec := ds.Spec.Template.Spec.DeepCopy()
 	spec.HostNetwork = true
+	spec.ServiceAccountName, spec.AutomountServiceAccountToken = "", nil
 	port := freePort(n.t)
 	n.agentMetrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	hostPaths := map[string]string{"containerd": n.daemon.Dir, "images": n.imagesDir, "state": stateDir}
@@ -94,6 +105,10 @@ func (n *node) deployAgentPod() {
 		n.t.Fatalf("deploy/k3s-pinning.yaml: image %s, pull policy %s", c.Image, c.ImagePullPolicy)
 	}
 	c.Image = agentRef
+	if !slices.Contains(c.Args, "--in-cluster") {
+		n.t.Fatalf("deploy/k3s-pinning.yaml: the DaemonSet does not report with its service account: %v", c.Args)
+	}
+	c.Args = slices.DeleteFunc(c.Args, func(arg string) bool { return arg == "--in-cluster" })
 	for i, arg := range c.Args {
 		if strings.HasPrefix(arg, "--metrics-address=") {
 			c.Args[i] = fmt.Sprintf("--metrics-address=0.0.0.0:%d", port)

@@ -1,12 +1,14 @@
 package e2e_test
 
 // A real k3s cluster on this one machine (make cluster-e2e): the k3s that make k3s built
-// (K3S_E2E_BIN), one `k3s server` and two `k3s agent`s that join it with a token. Each node runs in
-// network and mount namespaces of its own: its eth0 on a bridge in a namespace the test makes (a
-// LAN with no other link: no route leads out of it), and its own /run (k3s's containerd socket,
-// flannel's subnet file, the pods' network namespaces), /var/lib/kubelet, /var/log/pods,
-// /etc/rancher (where an agent's config.yaml is) and /var/lib/cni; its kubelet has a cgroup root of
-// its own and its containerd root is a loop-mounted ext4. The CNI is k3s's own flannel (host-gw),
+// (K3S_E2E_BIN), one `k3s server` and two `k3s agent`s that join it with a token, twice: with
+// k3s-pinning in k3s, and as stock k3s (--disable-image-pinning) protected by the DaemonSet of
+// deploy/k3s-pinning.yaml. Each node runs in network and mount namespaces of its own: its eth0 on
+// a bridge in a namespace the test makes (a LAN with no other link: no route leads out of it), and
+// its own /run (k3s's containerd socket, flannel's subnet file, the pods' network namespaces),
+// /var/lib/rancher/k3s (k3s's default data dir, which the DaemonSet's hostPaths name),
+// /var/lib/kubelet, /var/log/pods, /etc/rancher (where an agent's config.yaml is) and /var/lib/cni;
+// its kubelet has a cgroup root of its own and its containerd root is a loop-mounted ext4. The CNI is k3s's own flannel (host-gw),
 // with the plugins and the iptables of build/cluster-tools.sh (K3S_CLUSTER_TOOLS), which only the
 // nodes see, in their namespaces.
 
@@ -20,15 +22,20 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/platforms"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	corev1 "k8s.io/api/core/v1"
 
+	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -50,12 +57,15 @@ const (
 	clusterRoleLabel  = "k3s-pinning.e2e/role"
 	clusterWorkload   = "registry.example/hand/cluster-workload:1.0"
 	clusterParkedName = "parked"
+	// clusterBigRef is the large archive's image, added to agent-2's images dir for killMidImport.
+	clusterBigRef  = "airgap.example/cluster/big:1.0"
+	clusterBigSize = 128 << 20
 )
 
 // The host paths a node's mount namespace mounts its own over: they must exist as mount points.
 // Those the test creates are removed afterwards (they stay empty on the host: the mounts are only
 // in the nodes' namespaces).
-var clusterMountPoints = []string{"/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/etc/rancher", "/var/lib/cni"}
+var clusterMountPoints = []string{"/var/lib/rancher/k3s", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/etc/rancher", "/var/lib/cni"}
 
 // nodeScript runs in the node's network namespace and a mount namespace of its own (a slave of the
 // host's), and mounts the node's private paths before it execs k3s. Not ip netns exec: it mounts a
@@ -63,6 +73,7 @@ var clusterMountPoints = []string{"/var/lib/kubelet", "/var/log/pods", "/var/log
 // which the kubelet and runc need.
 const nodeScript = `set -e
 mount -t tmpfs -o mode=0755 tmpfs /run
+mount --rbind "$NODE_DIR/data" /var/lib/rancher/k3s
 mount --bind "$NODE_DIR/root/kubelet" /var/lib/kubelet
 mount --bind "$NODE_DIR/root/pods" /var/log/pods
 mount --bind "$NODE_DIR/root/containers" /var/log/containers
@@ -179,13 +190,30 @@ func killNetnsProcs(ns string) {
 	}
 }
 
+// clusterMode is what protects the cluster's nodes.
+type clusterMode struct {
+	name string
+	// daemonSet: stock k3s (--disable-image-pinning) on every node, and k3s-pinning as an operator
+	// deploys it there: the image archive in each node's agent/images, deploy/k3s-pinning.yaml
+	// (with --pinned-workload-images) in the server's server/manifests.
+	daemonSet bool
+}
+
+var (
+	patchedCluster   = clusterMode{name: "k3s-pinning"}
+	daemonSetCluster = clusterMode{name: "stock k3s + DaemonSet", daemonSet: true}
+)
+
 // cluster is the server and the agents, server first.
 type cluster struct {
 	t     *testing.T
+	mode  clusterMode
 	bin   string // make k3s's bin dir
 	tools string // build/cluster-tools.sh's dir
 	lan   *lan
-	nodes []*clusterNode
+	// agentImage is the k3s-pinning image archive (daemonSet mode), copied into each images dir.
+	agentImage string
+	nodes      []*clusterNode
 	// kubectlRunner runs kubectl in the server's network namespace, with its kubeconfig.
 	kubectlRunner
 }
@@ -198,13 +226,15 @@ type clusterNode struct {
 	ns        string // its network namespace
 	ip        string
 	server    bool
-	data      string // --data-dir
+	data      string // its k3s data dir on the host, /var/lib/rancher/k3s in its mount namespace
 	imagesDir string
 	hand      map[string]string // hand-import archives by reference
 	args      []string          // k3s's command line, without the binary
 	env       []string
 	cmd       *exec.Cmd
+	pid       atomic.Int64 // k3s's, for the event watch's reconnects
 	starts    int
+	bigImage  bool // its images dir also holds clusterBigRef (killMidImport)
 }
 
 func (c *cluster) server() *clusterNode { return c.nodes[0] }
@@ -213,7 +243,7 @@ func (c *cluster) agents() []*clusterNode {
 }
 
 // newCluster makes the LAN and the three nodes' dirs, images and configuration; start runs them.
-func newCluster(t *testing.T, bin, tools string) *cluster {
+func newCluster(t *testing.T, mode clusterMode, bin, tools string) *cluster {
 	t.Helper()
 	requireTools(t)
 	for _, tool := range []string{"ip", "nsenter"} {
@@ -224,18 +254,22 @@ func newCluster(t *testing.T, bin, tools string) *cluster {
 	if out, _ := exec.Command("pgrep", "-f", "k3s (server|agent)").Output(); len(out) > 0 {
 		t.Fatalf("a k3s is already running on this machine (%s)", strings.TrimSpace(string(out)))
 	}
-	created := absentPaths(clusterMountPoints...)
+	created := absentPaths(append([]string{"/var/lib/rancher"}, clusterMountPoints...)...)
 	for _, p := range clusterMountPoints {
 		if err := os.MkdirAll(p, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
 	t.Cleanup(func() {
-		for _, p := range created {
+		for _, p := range slices.Backward(created) {
 			os.Remove(p) // empty: the nodes' mounts were in their own namespaces
 		}
 	})
-	c := &cluster{t: t, bin: bin, tools: tools, lan: newLAN(t)}
+	c := &cluster{t: t, mode: mode, bin: bin, tools: tools, lan: newLAN(t)}
+	if mode.daemonSet {
+		c.agentImage = filepath.Join(t.TempDir(), "k3s-pinning-image.tar")
+		writeAgentImage(t, c.agentImage)
+	}
 	c.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
 		s := c.server()
 		return exec.Command("ip", append([]string{"netns", "exec", s.ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
@@ -244,7 +278,35 @@ func newCluster(t *testing.T, bin, tools string) *cluster {
 	for i, name := range []string{"server", "agent-1", "agent-2"} {
 		c.nodes = append(c.nodes, c.newNode(name, 10+i, i == 0, images))
 	}
+	c.writeManifests()
 	return c
+}
+
+// writeManifests puts what the server deploys at its start into its server/manifests, as an
+// operator does: the workloads' read access (deploy/k3s-pinning-workloads.yaml), and in daemonSet
+// mode the DaemonSet, made as make release makes it (its image for __IMAGE__), with
+// --pinned-workload-images added to its args.
+func (c *cluster) writeManifests() {
+	c.t.Helper()
+	dir := filepath.Join(c.server().data, "server", "manifests")
+	read := func(name string) string {
+		data, err := os.ReadFile(filepath.Join(repoRoot(c.t), "deploy", name))
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		return string(data)
+	}
+	c.server().writeFile(filepath.Join(dir, "k3s-pinning-workloads.yaml"), read("k3s-pinning-workloads.yaml"))
+	if !c.mode.daemonSet {
+		return
+	}
+	ds := strings.ReplaceAll(read("k3s-pinning.yaml"), "__IMAGE__", agentRef)
+	const arg = "            - --in-cluster\n"
+	if !strings.Contains(ds, arg) {
+		c.t.Fatalf("deploy/k3s-pinning.yaml: no %q in the DaemonSet's args", strings.TrimSpace(arg))
+	}
+	ds = strings.Replace(ds, arg, arg+"            - --pinned-workload-images\n", 1)
+	c.server().writeFile(filepath.Join(dir, "k3s-pinning.yaml"), ds)
 }
 
 func (c *cluster) newNode(name string, octet int, server bool, images map[string]v1.Image) *clusterNode {
@@ -277,7 +339,7 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 	n.writeFile(filepath.Join(data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), strings.ReplaceAll(k3sClusterContainerdTemplate, "@CNI_CONF_DIR@", filepath.Join(dir, "cni")))
 	n.writeFile(filepath.Join(data, "agent", "etc", "kubelet.conf.d", "50-k3s-pinning-e2e.conf"), fmt.Sprintf(k3sKubeletDropIn, evictionThreshold>>20))
 
-	n.args = []string{"--data-dir", data, "--node-name", n.name, "--node-ip", n.ip, "--flannel-iface", "eth0",
+	n.args = []string{"--node-name", n.name, "--node-ip", n.ip, "--flannel-iface", "eth0",
 		"--resolv-conf", filepath.Join(dir, "resolv.conf"),
 		"--kubelet-arg", "cgroup-root=/" + n.cgroupRoot,
 		// No pull ever leaves the node: every registry mirrored to a closed loopback port.
@@ -287,13 +349,29 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 			"--cluster-dns", clusterDNS, "--flannel-backend", "host-gw",
 			"--write-kubeconfig", filepath.Join(dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
 			"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
-			"--disable-network-policy", "--disable-cloud-controller", "--disable-helm-controller",
-			"--pinned-workload-images"}, n.args...)
+			"--disable-network-policy", "--disable-cloud-controller", "--disable-helm-controller"}, n.args...)
 	} else {
 		n.args = append([]string{"agent", "--server", fmt.Sprintf("https://%s.10:6443", clusterLAN), "--token", clusterToken,
 			"--node-label", clusterRoleLabel + "=agent"}, n.args...)
 	}
+	switch {
+	case c.mode.daemonSet:
+		n.args = append(n.args, "--disable-image-pinning")
+		if err := copyFile(c.agentImage, filepath.Join(n.imagesDir, "k3s-pinning-image.tar")); err != nil {
+			t.Fatal(err)
+		}
+	case server:
+		n.args = append(n.args, "--pinned-workload-images")
+	}
 	return n
+}
+
+func copyFile(from, to string) error {
+	data, err := os.ReadFile(from)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(to, data, 0o644)
 }
 
 // makeCgroupRoot creates the kubelet's --cgroup-root in every cgroup hierarchy (the kubelet
@@ -387,15 +465,27 @@ func (n *clusterNode) writeImages(images map[string]v1.Image) {
 
 // airgapRefs are the references the node's images dir provides.
 func (n *clusterNode) airgapRefs() []string {
-	if n.server {
-		return []string{k3sPauseRef, clusterWebRef}
+	refs := []string{k3sPauseRef, clusterWebRef}
+	if !n.server {
+		refs = append(refs, k3sToolRef)
 	}
-	return []string{k3sPauseRef, clusterWebRef, k3sToolRef}
+	if n.c.mode.daemonSet {
+		refs = append(refs, agentRef)
+	}
+	if n.bigImage {
+		refs = append(refs, clusterBigRef)
+	}
+	return refs
 }
 
-// start runs k3s in the node's namespaces and waits until its containerd answers, the Node is
-// registered, and its images dir is loaded.
-func (n *clusterNode) start() {
+// socket is its containerd's socket, seen through its mount namespace (nsenter, unshare and the
+// script each exec the next: the process is k3s).
+func (n *clusterNode) socket() string {
+	return fmt.Sprintf("/proc/%d/root%s", n.pid.Load(), k3sContainerdSocket)
+}
+
+// launch runs k3s in the node's namespaces.
+func (n *clusterNode) launch() {
 	n.t.Helper()
 	n.starts++
 	cmd := exec.Command("nsenter", append([]string{"--net=/run/netns/" + n.ns, "--", "unshare", "--mount", "--propagation", "slave", "--",
@@ -404,14 +494,19 @@ func (n *clusterNode) start() {
 		"PATH=" + strings.Join([]string{filepath.Join(n.c.tools, "cni"), filepath.Join(n.c.tools, "bin"), n.c.bin, os.Getenv("PATH")}, ":")}, n.env...)...)
 	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
 	n.cmd = cmd
-	// Its containerd's socket, seen through its mount namespace (nsenter, unshare and the script
-	// each exec the next: the process is k3s).
-	socket := fmt.Sprintf("/proc/%d/root%s", cmd.Process.Pid, k3sContainerdSocket)
+	n.pid.Store(int64(cmd.Process.Pid))
+}
+
+// start runs k3s in the node's namespaces and waits until its containerd answers, the Node is
+// registered, and its images dir is loaded.
+func (n *clusterNode) start() {
+	n.t.Helper()
+	n.launch()
 	n.await(3*time.Minute, n.name+": containerd of k3s answering", func() bool {
-		if _, err := os.Stat(socket); err != nil {
+		if _, err := os.Stat(n.socket()); err != nil {
 			return false
 		}
-		n.connect(socket)
+		n.connect(n.socket())
 		return true
 	})
 	n.await(3*time.Minute, n.name+": the Node registered", func() bool { return n.c.kubectlOK("get", "node", n.name) })
@@ -448,6 +543,9 @@ func (n *clusterNode) handImport() {
 func (n *clusterNode) cleanup() {
 	if n.t.Failed() && n.log != "" {
 		n.t.Logf("%s: k3s log (%s), last lines:\n%s", n.name, n.log, lastLines(n.log, 60))
+	}
+	if n.stopEvents != nil {
+		n.stopEvents()
 	}
 	n.stopPods()
 	if n.client != nil {
@@ -497,8 +595,11 @@ func (c *cluster) start() {
 }
 
 // pods are the pods of app app: node name -> phase (a waiting container's reason, when there is one).
-func (c *cluster) pods(app string) map[string][]string {
-	out, err := c.kubectl("get", "pods", "-l", "app="+app, "-o", "json")
+func (c *cluster) pods(app string) map[string][]string { return c.podsOf("default", "app="+app) }
+
+// podsOf are the pods that selector selects in namespace, as pods says.
+func (c *cluster) podsOf(namespace, selector string) map[string][]string {
+	out, err := c.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
 	if err != nil {
 		return nil
 	}
@@ -524,9 +625,13 @@ func (c *cluster) pods(app string) map[string][]string {
 
 // runningOnEveryAgent says whether app has a Running pod on each agent.
 func (c *cluster) runningOnEveryAgent(app string) bool {
-	pods := c.pods(app)
-	for _, a := range c.agents() {
-		if !slices.Contains(pods[a.name], "Running") {
+	return runningOn(c.pods(app), c.agents())
+}
+
+// runningOn says whether pods has a Running pod on each of nodes.
+func runningOn(pods map[string][]string, nodes []*clusterNode) bool {
+	for _, n := range nodes {
+		if !slices.Contains(pods[n.name], "Running") {
 			return false
 		}
 	}
@@ -595,11 +700,10 @@ spec:
 }
 
 // parkWorkload runs a Deployment scaled to 0 whose image was imported by hand on the first agent
-// only; with --pinned-workload-images (and the ClusterRole bound to the nodes) that agent keeps
-// it pinned.
+// only; with --pinned-workload-images (and deploy/k3s-pinning-workloads.yaml, in the server's
+// manifests) that agent keeps it pinned.
 func (c *cluster) parkWorkload() {
 	c.t.Helper()
-	c.mustKubectl("apply", "-f", filepath.Join(repoRoot(c.t), "deploy", "k3s-pinning-workloads.yaml"))
 	c.apply(clusterParkedName, fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata: {name: %[1]s, namespace: default}
@@ -614,50 +718,199 @@ spec:
 `, clusterParkedName, clusterWorkload))
 }
 
-// TestCluster: the patched k3s as a cluster of a server and two agents, k3s-pinning's flags
-// given each way a k3s operator gives them, then real disk pressure on one agent.
+// clusterReport is what one cluster showed: a cell per scenario and node ("" node: the cluster).
+type clusterReport struct {
+	mode  string
+	cells map[[2]string]string
+	order [][2]string
+}
+
+func (r *clusterReport) set(scenario, node, cell string) {
+	key := [2]string{scenario, strings.TrimPrefix(node, "k3sp-")}
+	if r.cells == nil {
+		r.cells = map[[2]string]string{}
+	}
+	if _, ok := r.cells[key]; !ok {
+		r.order = append(r.order, key)
+	}
+	r.cells[key] = cell
+}
+
+// printClusterTable prints the reports side by side, a row per scenario and node.
+func printClusterTable(reports ...*clusterReport) {
+	// One order for all: a row only one report has goes after that report's row before it.
+	var order [][2]string
+	for _, r := range reports {
+		at := 0
+		for _, key := range r.order {
+			if i := slices.Index(order, key); i >= 0 {
+				at = i + 1
+				continue
+			}
+			order = slices.Insert(order, at, key)
+			at++
+		}
+	}
+	fmt.Println("\n==== make cluster-e2e: a server and two agents, each scenario on each node")
+	header := "| scenario | node |"
+	rule := "|---|---|"
+	for _, r := range reports {
+		header += " " + r.mode + " |"
+		rule += "---|"
+	}
+	fmt.Println(header)
+	fmt.Println(rule)
+	for _, key := range order {
+		line := "| " + key[0] + " | " + key[1] + " |"
+		for _, r := range reports {
+			cell, ok := r.cells[key]
+			if !ok {
+				cell = "-"
+			}
+			line += " " + cell + " |"
+		}
+		fmt.Println(line)
+	}
+}
+
+// keptCell says which of refs are present and pinned: "all N present, pinned", or what is not.
+func keptCell(n *clusterNode, refs []string) string {
+	var lost, unpinned []string
+	present := n.present(refs...)
+	for _, ref := range refs {
+		switch {
+		case !present[ref]:
+			lost = append(lost, "LOST "+ref)
+		case !n.criPinned(ref):
+			unpinned = append(unpinned, "unpinned "+ref)
+		}
+	}
+	if len(lost)+len(unpinned) == 0 {
+		return fmt.Sprintf("all %d present, pinned", len(refs))
+	}
+	return strings.Join(append(lost, unpinned...), ", ")
+}
+
+// clusterView is each node's AirgapImagesProtected as `k3s-pinning status --cluster -o json`
+// shows it ("True", or "False ImagesMissing", ...) and the command's exit code.
+func (c *cluster) clusterView() (map[string]string, int) {
+	c.t.Helper()
+	s := c.server()
+	out, err := exec.Command("ip", "netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "-o", "json", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")).Output()
+	code := 0
+	if exit, ok := err.(*exec.ExitError); ok {
+		code = exit.ExitCode()
+	} else if err != nil {
+		c.t.Fatal(err)
+	}
+	var status struct {
+		Nodes []struct{ Node, Status, Reason string }
+	}
+	view := map[string]string{}
+	if json.Unmarshal(out, &status) == nil {
+		for _, n := range status.Nodes {
+			view[n.Node] = strings.TrimSuffix(n.Status+" "+n.Reason, " AllImagesPresentAndPinned")
+		}
+	}
+	return view, code
+}
+
+// awaitProtected waits until status --cluster says every node is protected, and puts each node's
+// view in the report under scenario.
+func (c *cluster) awaitProtected(r *clusterReport, scenario string) {
+	c.t.Helper()
+	var view map[string]string
+	c.server().await(3*time.Minute, "status --cluster: every node protected ("+scenario+")", func() bool {
+		var code int
+		view, code = c.clusterView()
+		return code == 0 && len(view) == len(c.nodes)
+	})
+	for _, n := range c.nodes {
+		r.set(scenario+": status --cluster", n.name, view[n.name])
+	}
+}
+
+// memoryCell is the k3s process's VmRSS and VmHWM.
+func (n *clusterNode) memoryCell() string {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", n.cmd.Process.Pid))
+	if err != nil {
+		return "?"
+	}
+	kib := map[string]int{}
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
+			kib[f[0]], _ = strconv.Atoi(f[1])
+		}
+	}
+	return fmt.Sprintf("%.0f MiB (peak %.0f MiB)", float64(kib["VmRSS:"])/1024, float64(kib["VmHWM:"])/1024)
+}
+
+// TestCluster: a server and two agents, first with k3s-pinning in k3s (its flags given each way a
+// k3s operator gives them), then as stock k3s protected by the DaemonSet; the same scenarios on
+// both, one table.
 func TestCluster(t *testing.T) {
 	bin := k3sBinDir(t)
 	tools := os.Getenv("K3S_CLUSTER_TOOLS")
 	if tools == "" {
 		t.Skip("*** SKIPPED: K3S_CLUSTER_TOOLS is not set: make cluster-e2e builds the nodes' iptables and CNI plugins (build/cluster-tools.sh) and sets it ***")
 	}
-	c := newCluster(t, bin, tools)
+	var reports []*clusterReport
+	defer func() { printClusterTable(reports...) }()
+	for _, mode := range []clusterMode{patchedCluster, daemonSetCluster} {
+		r := &clusterReport{mode: mode.name}
+		reports = append(reports, r)
+		t.Run(strings.ReplaceAll(mode.name, " ", ""), func(t *testing.T) { runCluster(t, mode, bin, tools, r) })
+	}
+}
+
+func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterReport) {
+	c := newCluster(t, mode, bin, tools)
 	agent1, agent2 := c.agents()[0], c.agents()[1]
-	// The agents take k3s-pinning's flags as an operator gives them: agent-1 from its
-	// config.yaml and a drop-in beside it, agent-2 from its config.yaml and a K3S_ variable.
-	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
-	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
-	agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
-	agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*"}
+	if !mode.daemonSet {
+		// The agents take k3s-pinning's flags as an operator gives them: agent-1 from its
+		// config.yaml and a drop-in beside it, agent-2 from its config.yaml and a K3S_ variable.
+		agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+		agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
+		agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+		agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*"}
+	}
 	start := time.Now()
 	c.start()
 	t.Logf("cluster of %d nodes Ready in %s", len(c.nodes), time.Since(start).Round(time.Second))
-
-	for _, n := range c.nodes {
-		for ref, pinned := range n.pins(n.airgapRefs()...) {
-			if !pinned {
-				t.Errorf("%s: %s not pinned after the first start", n.name, ref)
-			}
-		}
+	if mode.daemonSet {
+		ds := c.server().await(3*time.Minute, "the DaemonSet's pod Running on every node", func() bool {
+			return runningOn(c.podsOf("k3s-pinning", "app.kubernetes.io/name=k3s-pinning"), c.nodes)
+		})
+		r.set("DaemonSet from server/manifests", "", fmt.Sprintf("a pod Running on each node %s after every node was Ready", ds.Round(time.Second)))
 	}
-	out, code := "", -1
-	c.server().await(2*time.Minute, "status --cluster: every node protected", func() bool {
-		out, code = c.statusCluster()
-		return code == 0 && strings.Count(out, " True ") == len(c.nodes)
-	})
+	for _, n := range c.nodes {
+		n.await(2*time.Minute, n.name+": every air-gap image pinned", func() bool {
+			return !slices.Contains(slices.Collect(maps.Values(n.pins(n.airgapRefs()...))), false)
+		})
+		r.set("started: air-gap images", n.name, keptCell(n, n.airgapRefs()))
+		// From here on, an air-gap image that containerd's events show without its pin fails the test.
+		n.watchPins(n.socket, n.airgapRefs())
+	}
+	c.awaitProtected(r, "started")
+	out, code := c.statusCluster()
 	t.Logf("k3s-pinning status --cluster (exit %d):\n%s", code, out)
+	if mode.daemonSet {
+		c.ownNodeOnly(r)
+	}
 
 	c.deployWeb()
-	if phase := c.crossNodeRequest(agent2, agent1); phase != "Succeeded" {
+	phase := c.crossNodeRequest(agent2, agent1)
+	if phase != "Succeeded" {
 		t.Errorf("a pod on %s did not reach the pod on %s through the Service: %s", agent2.name, agent1.name, phase)
 	}
+	r.set("web app: 2 replicas, imagePullPolicy Never; agent-2 -> Service -> agent-1", "", "Running on both agents; request "+phase)
 
 	for _, n := range c.agents() {
 		n.handImport()
 	}
 	c.parkWorkload()
-	agent1.await(2*time.Minute, clusterWorkload+" pinned on "+agent1.name+" for the Deployment scaled to 0", func() bool { return agent1.criPinned(clusterWorkload) })
+	parked := agent1.await(2*time.Minute, clusterWorkload+" pinned on "+agent1.name+" for the Deployment scaled to 0", func() bool { return agent1.criPinned(clusterWorkload) })
+	r.set("workload scaled to 0, its image imported by hand on agent-1 only", agent1.name, fmt.Sprintf("pinned %s after the Deployment", parked.Round(100*time.Millisecond)))
 
 	// Real disk pressure on agent-1: its kubelet reclaims (the unwanted hand import goes) and
 	// evicts; every air-gap image of that node and the workload's image stay; the web pod comes
@@ -670,6 +923,8 @@ func TestCluster(t *testing.T) {
 	reclaim := agent1.await(3*time.Minute, agent1.name+": the kubelet reclaiming the unwanted image under disk pressure", func() bool { return !agent1.present(unwantedRef)[unwantedRef] })
 	time.Sleep(15 * time.Second) // the reclaim after an eviction (an evicted pod's image is unused then)
 	after := agent1.present(append(agent1.airgapRefs(), clusterWorkload)...)
+	r.set("disk pressure on agent-1 (dd): the kubelet reclaims", agent1.name, fmt.Sprintf("unwanted hand import reclaimed in %s; air-gap + workload: %s",
+		reclaim.Round(100*time.Millisecond), keptCell(agent1, append(agent1.airgapRefs(), clusterWorkload))))
 	if err := os.Remove(release); err != nil {
 		t.Fatal(err)
 	}
@@ -681,13 +936,18 @@ func TestCluster(t *testing.T) {
 	}
 	c.server().await(3*time.Minute, "the web app Running on both agents after the pressure", func() bool { return c.runningOnEveryAgent(clusterWebName) })
 	for _, n := range []*clusterNode{c.server(), agent2} {
-		if got := n.present(n.airgapRefs()...); !maps.Equal(got, before[n.name]) {
+		got := n.present(n.airgapRefs()...)
+		if !maps.Equal(got, before[n.name]) {
 			t.Errorf("%s: images changed while %s was under pressure: %v, before %v", n.name, agent1.name, got, before[n.name])
 		}
+		cell := "untouched: " + keptCell(n, n.airgapRefs())
+		if !n.server && !n.present(unwantedRef)[unwantedRef] {
+			t.Errorf("%s: its unwanted hand import is gone, but the pressure was on %s", n.name, agent1.name)
+			cell = "unwanted hand import GONE"
+		}
+		r.set("disk pressure on agent-1 (dd): the kubelet reclaims", n.name, cell)
 	}
-	if !agent2.present(unwantedRef)[unwantedRef] {
-		t.Errorf("%s: its unwanted hand import is gone, but the pressure was on %s", agent2.name, agent1.name)
-	}
+	c.awaitProtected(r, "after the pressure")
 
 	// The server stopped for 60 s: the agents keep protecting locally (a crictl rmi of an air-gap
 	// image on agent-1 is restored meanwhile), and once the API server is back its Event and the
@@ -708,16 +968,108 @@ func TestCluster(t *testing.T) {
 			"-o", "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}")
 		return err == nil && strings.Contains(out, k3sToolRef)
 	})
-	out, code = "", -1
-	c.server().await(2*time.Minute, "status --cluster: every node protected after the server's return", func() bool {
-		out, code = c.statusCluster()
-		return code == 0 && strings.Count(out, " True ") == len(c.nodes)
-	})
-	t.Logf("server back: the ImageRestored Event in the cluster %s after its start; status --cluster (exit %d):\n%s", back.Round(time.Second), code, out)
+	r.set("server stopped 60 s; crictl rmi of an air-gap image on agent-1 meanwhile", agent1.name,
+		fmt.Sprintf("restored, pinned in %s; its ImageRestored Event in the cluster %s after the server's start", restored.Round(100*time.Millisecond), back.Round(time.Second)))
+	c.awaitProtected(r, "after the server's return")
 	for _, a := range c.agents() {
 		if a.starts != 1 {
 			t.Errorf("%s was started %d times", a.name, a.starts)
 		}
+	}
+	c.killMidImport(r)
+
+	c.restoreOnFullDisk(r)
+
+	for _, n := range c.nodes {
+		n.stopEvents()
+		n.stopEvents = nil
+		seen := "none"
+		if len(n.seenUnpinned) > 0 {
+			var refs []string
+			for _, what := range n.seenUnpinned {
+				if ref, _, _ := strings.Cut(what, " ("); !slices.Contains(refs, ref) {
+					refs = append(refs, ref)
+				}
+			}
+			seen = fmt.Sprintf("%d image(s) in %d event(s) or listings: %s", len(refs), len(n.seenUnpinned), strings.Join(refs, ", "))
+			if mode.daemonSet {
+				// Stock k3s clears its pins when it starts (then labels its images again); the
+				// DaemonSet's pod cannot stop that, only pin them again, which keptCell checks.
+				seen += "; by stock k3s's (re)start; now " + keptCell(n, n.airgapRefs())
+			} else {
+				t.Errorf("%s: containerd's events showed air-gap images unpinned: %v", n.name, n.seenUnpinned)
+			}
+		}
+		r.set("air-gap images seen unpinned (containerd's events, after the start)", n.name, seen)
+	}
+	for _, n := range c.nodes {
+		r.set("k3s resident memory at the end", n.name, n.memoryCell())
+	}
+}
+
+// ownNodeOnly checks the DaemonSet's ValidatingAdmissionPolicy from outside, with the service
+// account's tokens: one bound to the DaemonSet's pod on agent-2 writes agent-2's condition, and
+// is refused agent-1's condition, agent-2's labels (a status write can change them) and an Event
+// about agent-1; a token bound to no pod writes nothing.
+func (c *cluster) ownNodeOnly(r *clusterReport) {
+	c.t.Helper()
+	agent1, agent2 := c.agents()[0], c.agents()[1]
+	pod := strings.TrimSpace(c.mustKubectl("get", "pods", "-n", "k3s-pinning", "--field-selector", "spec.nodeName="+agent2.name, "-o", "jsonpath={.items[0].metadata.name}"))
+	bound := strings.TrimSpace(c.mustKubectl("create", "token", "k3s-pinning", "-n", "k3s-pinning", "--bound-object-kind", "Pod", "--bound-object-name", pod))
+	unbound := strings.TrimSpace(c.mustKubectl("create", "token", "k3s-pinning", "-n", "k3s-pinning"))
+	as := func(token string, args ...string) (string, error) {
+		kubeconfig := filepath.Join(c.server().dir, "token-kubeconfig")
+		c.server().writeFile(kubeconfig, fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://%s.10:6443", certificate-authority: %q}}]
+users: [{name: u, user: {token: %q}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+current-context: c
+`, clusterLAN, filepath.Join(c.server().data, "server", "tls", "server-ca.crt"), token))
+		cmd := exec.Command("ip", append([]string{"netns", "exec", c.server().ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", kubeconfig}, args...)...)
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	condition := func(node string) []string {
+		return []string{"patch", "node", node, "--subresource", "status", "--type", "strategic", "-p",
+			fmt.Sprintf(`{"status":{"conditions":[{"type":"AirgapImagesProtected","status":"True","reason":"AllImagesPresentAndPinned","message":"written by ownNodeOnly","lastHeartbeatTime":%q,"lastTransitionTime":%q}]}}`,
+				time.Now().UTC().Format(time.RFC3339), time.Now().UTC().Format(time.RFC3339))}
+	}
+	event := filepath.Join(c.server().dir, "event.yaml")
+	c.server().writeFile(event, fmt.Sprintf(`apiVersion: v1
+kind: Event
+metadata: {generateName: k3s-pinning-e2e-, namespace: default}
+involvedObject: {kind: Node, name: %s, uid: %s}
+reason: ImageRestored
+message: written by ownNodeOnly
+type: Normal
+source: {component: k3s-pinning}
+`, agent1.name, agent1.name))
+	for _, tc := range []struct {
+		what    string
+		token   string
+		args    []string
+		allowed bool
+	}{
+		{"its own node's condition", bound, condition(agent2.name), true},
+		{"another node's condition", bound, condition(agent1.name), false},
+		{"its own node's labels, through the status", bound, []string{"patch", "node", agent2.name, "--subresource", "status", "--type", "merge", "-p", `{"metadata":{"labels":{"k3s-pinning.e2e/owned":"yes"}}}`}, false},
+		{"an Event about another node", bound, []string{"create", "-f", event}, false},
+		{"its own node's condition, with a token bound to no pod", unbound, condition(agent2.name), false},
+	} {
+		out, err := as(tc.token, tc.args...)
+		got := "allowed"
+		if err != nil {
+			got = "denied"
+			if !strings.Contains(out, "ValidatingAdmissionPolicy 'k3s-pinning-own-node'") {
+				got = "denied (not by the policy: " + strings.TrimSpace(tail(out, 1)) + ")"
+			}
+		}
+		c.t.Logf("the DaemonSet's service account (pod on %s): %s: %s\n%s", agent2.name, tc.what, got, strings.TrimSpace(out))
+		if (err == nil) != tc.allowed || strings.Contains(got, "not by the policy") {
+			c.t.Errorf("the DaemonSet's service account: %s: %s, want %s", tc.what, got, map[bool]string{true: "allowed", false: "denied by the policy"}[tc.allowed])
+		}
+		r.set("the DaemonSet's token writes: "+tc.what, "", got)
 	}
 }
 
@@ -729,4 +1081,175 @@ func (n *clusterNode) stop() {
 		n.client = nil
 	}
 	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+}
+
+// hog keeps the node's imagefs full, as a pod writing to it would: it appends to a file there
+// whenever a byte is free. The returned func stops it and removes the file.
+func (n *clusterNode) hog() (stop func()) {
+	path := filepath.Join(n.imagefs, "hog.bin")
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		buf := make([]byte, 4<<10)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			if _, err := f.Write(buf); err != nil {
+				time.Sleep(time.Millisecond)
+			}
+		}
+	}()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			close(done)
+			<-stopped
+			f.Close()
+			os.Remove(path)
+		})
+	}
+	n.t.Cleanup(stop) // before the node's cleanup unmounts the imagefs, also after a failure
+	return stop
+}
+
+// restoresFailed is the agent's count of failed restores, from its state file (the patched k3s
+// and the DaemonSet keep it at the same place, agent/k3s-pinning/state.json).
+func (n *clusterNode) restoresFailed() int {
+	data, err := os.ReadFile(filepath.Join(n.data, "agent", "k3s-pinning", "state.json"))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	var state struct {
+		Agent struct{ RestoresFailed int }
+	}
+	if err := json.Unmarshal(data, &state); err != nil {
+		n.t.Fatalf("%s: state file: %v", n.name, err)
+	}
+	return state.Agent.RestoresFailed
+}
+
+// restoreOnFullDisk: agent-1's imagefs filled to the last MiB, then an air-gap image crictl
+// rmi'd: its restore fails (ENOSPC) with an ImageRestoreFailed Event and the condition False, no
+// image record is left half made, the retries back off (counted over 40 s), and once the space
+// is freed the image comes back pinned with no restart.
+func (c *cluster) restoreOnFullDisk(r *clusterReport) {
+	c.t.Helper()
+	agent1 := c.agents()[0]
+	const scenario = "imagefs full (ENOSPC) on agent-1, then crictl rmi of an air-gap image"
+	// A pod writing to the full disk takes whatever the rmi frees before the restore can: without
+	// it, the rmi frees exactly what the restore needs.
+	full := agent1.fill(0)
+	hog := agent1.hog()
+	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sToolRef); err != nil {
+		c.t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, k3sToolRef, err, out)
+	}
+	var event string
+	failed := c.server().await(2*time.Minute, "the ImageRestoreFailed Event of "+agent1.name, func() bool {
+		out, err := c.kubectl("get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+agent1.name+",reason=ImageRestoreFailed",
+			"-o", "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}")
+		event = strings.TrimSpace(out)
+		return err == nil && strings.Contains(out, k3sToolRef)
+	})
+	var view map[string]string
+	c.server().await(time.Minute, "status --cluster: "+agent1.name+" not protected", func() bool {
+		view, _ = c.clusterView()
+		return strings.HasPrefix(view[agent1.name], "False")
+	})
+	first := agent1.restoresFailed()
+	time.Sleep(40 * time.Second)
+	retries := agent1.restoresFailed() - first
+	halfMade := agent1.present(k3sToolRef)[k3sToolRef]
+	c.t.Logf("%s: full imagefs: ImageRestoreFailed in the cluster %s after the rmi (%s); status --cluster %s; %d failed restores in 40 s",
+		agent1.name, failed.Round(100*time.Millisecond), tail(event, 1), view[agent1.name], retries)
+	if halfMade {
+		c.t.Errorf("%s: %s has an image record while its restore fails on a full disk", agent1.name, k3sToolRef)
+	}
+	if retries > 10 {
+		c.t.Errorf("%s: %d failed restores in 40 s on a full disk: a busy loop", agent1.name, retries)
+	}
+	hog()
+	if err := os.Remove(full); err != nil {
+		c.t.Fatal(err)
+	}
+	back := agent1.await(3*time.Minute, k3sToolRef+" restored and pinned once the space is freed", func() bool {
+		return agent1.present(k3sToolRef)[k3sToolRef] && agent1.criPinned(k3sToolRef)
+	})
+	r.set(scenario, agent1.name, fmt.Sprintf("ImageRestoreFailed %s after the rmi, condition %s, image record: %s, %d retries in 40 s; back, pinned %s after the space was freed",
+		failed.Round(100*time.Millisecond), view[agent1.name], map[bool]string{true: "PRESENT", false: "none"}[halfMade], retries, back.Round(100*time.Millisecond)))
+	c.awaitProtected(r, "after the full disk")
+}
+
+// killMidImport: agent-2's k3s stopped, a large archive added to its images dir, k3s started and
+// SIGKILLed while that archive's content is being written (containerd's ingest dir not empty;
+// k3s's containerd dies with it), then started again: every image of its images dir present,
+// whole and pinned, and no import lease of k3s-pinning left behind (one would hold the killed
+// import's content for 24 hours). Leases of k3s's own import are counted, not failed on.
+func (c *cluster) killMidImport(r *clusterReport) {
+	c.t.Helper()
+	agent2 := c.agents()[1]
+	const scenario = "kill -9 of k3s mid-import (a 128 MiB archive added), then started again"
+	agent2.stop()
+	img, err := imagetest.Image(clusterBigSize, imagetest.Amd64)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	if err := imagetest.WriteDocker(filepath.Join(agent2.imagesDir, "big.tar"), map[string]v1.Image{clusterBigRef: img}); err != nil {
+		c.t.Fatal(err)
+	}
+	agent2.bigImage = true
+	agent2.stopEvents()
+	agent2.watchPins(agent2.socket, agent2.airgapRefs())
+	ingest := filepath.Join(agent2.data, "agent", "containerd", "io.containerd.content.v1.content", "ingest")
+	agent2.launch()
+	var killedAt time.Duration
+	for start := time.Now(); ; time.Sleep(10 * time.Millisecond) {
+		if entries, _ := os.ReadDir(ingest); len(entries) > 0 {
+			killedAt = time.Since(start)
+			syscall.Kill(agent2.cmd.Process.Pid, syscall.SIGKILL)
+			break
+		}
+		if time.Since(start) > 2*time.Minute {
+			c.t.Fatalf("%s: the import of %s was not seen under way (containerd's ingest dir stayed empty)", agent2.name, clusterBigRef)
+		}
+	}
+	<-agent2.exited
+	agent2.client = nil
+	c.t.Logf("%s: k3s SIGKILLed %s after its start, the import of %s under way", agent2.name, killedAt.Round(10*time.Millisecond), clusterBigRef)
+	agent2.start()
+	agent2.await(2*time.Minute, agent2.name+": every air-gap image pinned after the restart", func() bool {
+		return !slices.Contains(slices.Collect(maps.Values(agent2.pins(agent2.airgapRefs()...))), false)
+	})
+	whole := "whole"
+	if got, err := agent2.client.GetImage(agent2.ctx, clusterBigRef); err != nil {
+		c.t.Fatalf("%s: %s: %v", agent2.name, clusterBigRef, err)
+	} else if ok, _, _, missing, err := images.Check(agent2.ctx, agent2.client.ContentStore(), got.Target(), platforms.Default()); err != nil || !ok {
+		whole = fmt.Sprintf("NOT WHOLE (%d blobs missing, %v)", len(missing), err)
+		c.t.Errorf("%s: %s after the restart: %s", agent2.name, clusterBigRef, whole)
+	}
+	all, err := agent2.client.LeasesService().List(agent2.ctx)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	ours, others := 0, []string{}
+	for _, l := range all {
+		if _, ok := l.Labels[agentimages.LabelImportLease]; ok {
+			ours++
+		} else {
+			others = append(others, fmt.Sprintf("%s (created %s)", l.ID, l.CreatedAt.Format(time.TimeOnly)))
+		}
+	}
+	c.t.Logf("%s: leases after the restart: %d of k3s-pinning; others: %v", agent2.name, ours, others)
+	if ours > 0 {
+		c.t.Errorf("%s: %d import lease(s) of k3s-pinning left after the restart", agent2.name, ours)
+	}
+	r.set(scenario, agent2.name, fmt.Sprintf("killed %s after the start, import under way; after the restart: %s, %s %s; leases: %d of k3s-pinning, %d others",
+		killedAt.Round(10*time.Millisecond), keptCell(agent2, agent2.airgapRefs()), clusterBigRef, whole, ours, len(others)))
+	c.awaitProtected(r, "after the kill -9")
 }

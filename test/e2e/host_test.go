@@ -11,13 +11,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	eventstypes "github.com/containerd/containerd/api/events"
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
@@ -26,6 +30,7 @@ import (
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
 // host is what every e2e node has, whatever runs its kubelet (e2e-node, or a real k3s): a temp
@@ -45,6 +50,11 @@ type host struct {
 	// cgroupRoot is the kubelet's --cgroup-root below each cgroup hierarchy, "" for the kubelet's
 	// default (kubepods at the top).
 	cgroupRoot string
+	// seenUnpinned lists the wanted images containerd's events showed without the CRI pin
+	// (watchPins); stopEvents ends the watch.
+	mu           sync.Mutex
+	seenUnpinned []string
+	stopEvents   func()
 }
 
 // requireTools fails the test, saying what to install, when a tool the e2e runs is missing.
@@ -358,4 +368,64 @@ func binaryLayer(t *testing.T, bin string) v1.Layer {
 		t.Fatal(err)
 	}
 	return layer
+}
+
+// watchPins follows the image events of the containerd at socket() from the moment it answers (k3s
+// restarts it; a reconnect asks socket() again) and records every one of refs that an event shows
+// without the CRI pin; after subscribing, it also checks the images as they are.
+func (h *host) watchPins(socket func() string, refs []string) {
+	ctx, cancel := context.WithCancel(h.ctx)
+	done := make(chan struct{})
+	h.stopEvents = func() { cancel(); <-done }
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			client, err := containerd.New(socket(), containerd.WithTimeout(time.Second))
+			if err != nil {
+				time.Sleep(20 * time.Millisecond)
+				continue
+			}
+			events, errs := client.EventService().Subscribe(ctx, `topic~="/images/"`)
+			for _, ref := range refs {
+				if img, err := client.ImageService().Get(ctx, ref); err == nil && img.Labels[pinning.LabelPinned] != pinning.PinnedValue {
+					h.sawUnpinned(ref + " (listed)")
+				}
+			}
+			for running := true; running; {
+				select {
+				case env := <-events:
+					ev, err := typeurl.UnmarshalAny(env.Event)
+					if err != nil {
+						continue
+					}
+					var name string
+					var labels map[string]string
+					switch e := ev.(type) {
+					case *eventstypes.ImageCreate:
+						name, labels = e.Name, e.Labels
+					case *eventstypes.ImageUpdate:
+						name, labels = e.Name, e.Labels
+					default:
+						continue
+					}
+					if slices.Contains(refs, name) && labels[pinning.LabelPinned] != pinning.PinnedValue {
+						h.sawUnpinned(name + " (" + env.Topic + ")")
+					}
+				case <-errs:
+					running = false
+				case <-ctx.Done():
+					running = false
+				}
+			}
+			client.Close()
+		}
+	}()
+}
+
+func (h *host) sawUnpinned(what string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !slices.Contains(h.seenUnpinned, what) {
+		h.seenUnpinned = append(h.seenUnpinned, what)
+	}
 }

@@ -17,15 +17,11 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	eventstypes "github.com/containerd/containerd/api/events"
-	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
-	"github.com/containerd/typeurl/v2"
 	"github.com/distribution/reference"
 	corev1 "k8s.io/api/core/v1"
 
@@ -120,10 +116,6 @@ type k3sNode struct {
 	starts    int
 	logs      []string // the log of each start
 	kubectlRunner
-	// seenUnpinned lists the air-gap images containerd's events showed without the CRI pin.
-	mu           sync.Mutex
-	seenUnpinned []string
-	stopEvents   func()
 }
 
 func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
@@ -467,66 +459,6 @@ func (n *k3sNode) appPods() []string {
 
 func (n *k3sNode) appRunning() bool { return slices.Contains(n.appPods(), "Running") }
 
-// watchPins follows containerd's image events from the moment its socket answers (k3s restarts
-// it) and records every air-gap image an event shows without the CRI pin; after subscribing, it
-// also checks the images as they are.
-func (n *k3sNode) watchPins() {
-	ctx, cancel := context.WithCancel(n.ctx)
-	done := make(chan struct{})
-	n.stopEvents = func() { cancel(); <-done }
-	go func() {
-		defer close(done)
-		for ctx.Err() == nil {
-			client, err := containerd.New(k3sContainerdSocket, containerd.WithTimeout(time.Second))
-			if err != nil {
-				time.Sleep(20 * time.Millisecond)
-				continue
-			}
-			events, errs := client.EventService().Subscribe(ctx, `topic~="/images/"`)
-			for _, ref := range k3sAirgapRefs {
-				if img, err := client.ImageService().Get(ctx, ref); err == nil && img.Labels[pinning.LabelPinned] != pinning.PinnedValue {
-					n.sawUnpinned(ref + " (listed)")
-				}
-			}
-			for running := true; running; {
-				select {
-				case env := <-events:
-					ev, err := typeurl.UnmarshalAny(env.Event)
-					if err != nil {
-						continue
-					}
-					var name string
-					var labels map[string]string
-					switch e := ev.(type) {
-					case *eventstypes.ImageCreate:
-						name, labels = e.Name, e.Labels
-					case *eventstypes.ImageUpdate:
-						name, labels = e.Name, e.Labels
-					default:
-						continue
-					}
-					if slices.Contains(k3sAirgapRefs, name) && labels[pinning.LabelPinned] != pinning.PinnedValue {
-						n.sawUnpinned(name + " (" + env.Topic + ")")
-					}
-				case <-errs:
-					running = false
-				case <-ctx.Done():
-					running = false
-				}
-			}
-			client.Close()
-		}
-	}()
-}
-
-func (n *k3sNode) sawUnpinned(what string) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if !slices.Contains(n.seenUnpinned, what) {
-		n.seenUnpinned = append(n.seenUnpinned, what)
-	}
-}
-
 // digest is the manifest digest containerd holds for ref, or "".
 func (n *k3sNode) digest(ref string) string {
 	img, err := n.client.ImageService().Get(n.ctx, ref)
@@ -755,7 +687,7 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool, report **k3sRep
 	// Both modes: every air-gap image that containerd's events show unpinned while k3s restarts
 	// (stock k3s clears its pins at start and, since k3s PR 14266, labels an unchanged file's
 	// images again by the names .cache.json recorded).
-	n.watchPins()
+	n.watchPins(func() string { return k3sContainerdSocket }, k3sAirgapRefs)
 	n.restart(withPinning, extra)
 	time.Sleep(5 * time.Second) // k3s's own import and clearing of pins, if any, run after containerd starts
 	if !withPinning {

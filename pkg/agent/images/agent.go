@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"runtime"
 	"slices"
 	"sync"
@@ -102,6 +103,8 @@ type Agent struct {
 	// workloads are the references the cluster's workloads name, normalized; nil: not known.
 	workloads map[string]bool
 	resync    chan struct{} // a full sync requested (the images dir, containerd, the workloads)
+	// agentLock, held open, makes this the one live agent of its state file (ownImportLeases).
+	agentLock *os.File
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -109,7 +112,7 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 	a := &Agent{
 		cd:       cd,
 		cfg:      cfg,
-		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries},
+		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries, leaseLabels: importLeaseLabels(cfg.StateFile)},
 		pinner:   pinning.NewPinner(cd.Images),
 		state:    loadState(cfg.StateFile),
 		keeper:   &Keeper{},
@@ -293,6 +296,7 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 }
 
 func (a *Agent) sync(ctx context.Context) *SyncReport {
+	a.ownImportLeases(ctx)
 	start := time.Now()
 	defer func() { a.metrics.reconcile.Observe(time.Since(start).Seconds()) }()
 	sv := a.survey()

@@ -36,6 +36,7 @@ type importer struct {
 	// extraRegistries are the --airgap-extra-registry values: every imported tag is also created
 	// under each of these registries, as k3s does.
 	extraRegistries []string
+	leaseLabels     map[string]string // of each import lease (importLeaseLabels)
 }
 
 // RefResult is one reference an archive provides, after import or verification.
@@ -63,7 +64,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 	if !complete {
 		// The lease holds the imported content until the references exist: released earlier,
 		// containerd's GC may collect content that no image refers to yet.
-		lease, err := im.cd.Leases.Create(ctx, leases.WithRandomID(), leases.WithExpiration(24*time.Hour))
+		lease, err := im.cd.Leases.Create(ctx, leases.WithRandomID(), leases.WithExpiration(24*time.Hour), leases.WithLabels(im.leaseLabels))
 		if err != nil {
 			return nil, false, fmt.Errorf("lease: %w", err)
 		}

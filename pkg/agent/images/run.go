@@ -75,6 +75,7 @@ func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 	if err != nil {
 		return err
 	}
+	defer a.releaseAgentLock()
 	events := make(chan any, 256)
 	g, ctx := errgroup.WithContext(ctx)
 	if a.cd.Events != nil {
