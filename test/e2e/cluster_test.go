@@ -568,13 +568,15 @@ func (c *cluster) apply(name, manifest string) {
 	c.mustKubectl("apply", "-f", path)
 }
 
-// statusCluster is `k3s-pinning status --cluster` in the server's network namespace.
-func (c *cluster) statusCluster() (string, int) {
+// statusCluster is `k3s-pinning status --cluster` with flags in the server's network namespace:
+// its output (stdout, then stderr when it fails) and exit code.
+func (c *cluster) statusCluster(flags ...string) (string, int) {
 	c.t.Helper()
 	s := c.server()
-	out, err := exec.Command("ip", "netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")).CombinedOutput()
+	cmd := exec.Command("ip", append([]string{"netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, flags...)...)
+	out, err := cmd.Output() // stdout only: -o json is parsed
 	if exit, ok := err.(*exec.ExitError); ok {
-		return string(out), exit.ExitCode()
+		return string(out) + string(exit.Stderr), exit.ExitCode()
 	} else if err != nil {
 		c.t.Fatal(err)
 	}
@@ -795,19 +797,12 @@ func keptCell(n *clusterNode, refs []string) string {
 // shows it ("True", or "False ImagesMissing", ...) and the command's exit code.
 func (c *cluster) clusterView() (map[string]string, int) {
 	c.t.Helper()
-	s := c.server()
-	out, err := exec.Command("ip", "netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "-o", "json", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")).Output()
-	code := 0
-	if exit, ok := err.(*exec.ExitError); ok {
-		code = exit.ExitCode()
-	} else if err != nil {
-		c.t.Fatal(err)
-	}
+	out, code := c.statusCluster("-o", "json")
 	var status struct {
 		Nodes []struct{ Node, Status, Reason string }
 	}
 	view := map[string]string{}
-	if json.Unmarshal(out, &status) == nil {
+	if json.Unmarshal([]byte(out), &status) == nil {
 		for _, n := range status.Nodes {
 			view[n.Node] = strings.TrimSuffix(n.Status+" "+n.Reason, " AllImagesPresentAndPinned")
 		}
