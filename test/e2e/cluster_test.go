@@ -802,7 +802,8 @@ func (c *cluster) clusterView() (map[string]string, int) {
 		Nodes []struct{ Node, Status, Reason string }
 	}
 	view := map[string]string{}
-	if json.Unmarshal([]byte(out), &status) == nil {
+	// The JSON first; stderr follows it when a node is not protected (exit 1).
+	if json.NewDecoder(strings.NewReader(out)).Decode(&status) == nil {
 		for _, n := range status.Nodes {
 			view[n.Node] = strings.TrimSuffix(n.Status+" "+n.Reason, " AllImagesPresentAndPinned")
 		}

@@ -76,7 +76,9 @@ func newNode(t *testing.T, opts nodeOptions) *node {
 	ctx, cancel := context.WithTimeout(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace), 10*time.Minute)
 	n := &node{host: &host{t: t, ctx: ctx, dir: dir, imagefs: filepath.Join(dir, "imagefs"), log: filepath.Join(dir, "node.log")},
 		imagesDir: filepath.Join(dir, "images"), manifests: filepath.Join(dir, "manifests")}
-	created := absentPaths("/var/lib/kubelet")
+	// The kubelet makes these whatever its flags say (its container log links always go to
+	// /var/log/containers): the cleanup removes those it made.
+	created := absentPaths("/var/lib/kubelet", "/var/log/containers")
 	t.Cleanup(func() {
 		n.cleanup()
 		for _, p := range created {
