@@ -357,21 +357,15 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 	switch {
 	case c.mode.daemonSet:
 		n.args = append(n.args, "--disable-image-pinning")
-		if err := copyFile(c.agentImage, filepath.Join(n.imagesDir, "k3s-pinning-image.tar")); err != nil {
+		image, err := os.ReadFile(c.agentImage)
+		if err != nil {
 			t.Fatal(err)
 		}
+		n.writeFile(filepath.Join(n.imagesDir, "k3s-pinning-image.tar"), string(image))
 	case server:
 		n.args = append(n.args, "--pinned-workload-images")
 	}
 	return n
-}
-
-func copyFile(from, to string) error {
-	data, err := os.ReadFile(from)
-	if err != nil {
-		return err
-	}
-	return os.WriteFile(to, data, 0o644)
 }
 
 // makeCgroupRoot creates the kubelet's --cgroup-root in every cgroup hierarchy (the kubelet

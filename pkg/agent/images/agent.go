@@ -103,8 +103,10 @@ type Agent struct {
 	// workloads are the references the cluster's workloads name, normalized; nil: not known.
 	workloads map[string]bool
 	resync    chan struct{} // a full sync requested (the images dir, containerd, the workloads)
-	// agentLock, held open, makes this the one live agent of its state file (ownImportLeases).
-	agentLock *os.File
+	// agentLock, held open, makes this the one live agent of its state file; importLeasesDone:
+	// ownImportLeases has run (it runs once).
+	agentLock        *os.File
+	importLeasesDone bool
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -112,7 +114,7 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 	a := &Agent{
 		cd:       cd,
 		cfg:      cfg,
-		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries, leaseLabels: importLeaseLabels(cfg.StateFile)},
+		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries},
 		pinner:   pinning.NewPinner(cd.Images),
 		state:    loadState(cfg.StateFile),
 		keeper:   &Keeper{},

@@ -36,7 +36,7 @@ type importer struct {
 	// extraRegistries are the --airgap-extra-registry values: every imported tag is also created
 	// under each of these registries, as k3s does.
 	extraRegistries []string
-	leaseLabels     map[string]string // of each import lease (importLeaseLabels)
+	leaseLabels     map[string]string // of each import lease: set while the agent owns its state file (ownImportLeases)
 }
 
 // RefResult is one reference an archive provides, after import or verification.
