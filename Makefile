@@ -53,10 +53,12 @@ e2e:
 	bash scripts/e2e.sh
 
 ## bench: every cost against its baseline in the same run (real containerd, the kubelet's GC),
-## one table; BENCH_FLAGS=-h for the sizes (root)
+## one table; BENCH_FLAGS=-h for the sizes; then the fleet row on make cluster-e2e's cluster (a
+## 51 MiB image to two peers through k3s's embedded registry, against ctr images import) (root)
 bench:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
+	K3S_FLEET_BENCH=1 CLUSTER_E2E_RUN='^TestFleetBench$$' bash scripts/cluster-e2e.sh
 
 ## soak: the randomized soak (real containerd on a tmpfs, the kubelet's DeleteUnusedImages, 13
 ## kinds of fault) for SOAK_FLAGS (default -duration 10m; -seed N replays a run), SOAK_RUNS runs

@@ -122,13 +122,33 @@ kubernetes_copy() {
   rm -rf "$dir"; cp -a "$1" "$dir"; chmod -R u+w "$dir"
   "$repo/build/apply-kubernetes-patches.sh" "$dir"
 }
+# depfix dir target version: patches/k3s-deps/<name>@<version>, when there is one, applied to dir (a
+# writable copy of that fork) and its tests run: fixes of upstream bugs that k3s-pinning's use of
+# k3s meets (the embedded registry's, issue 25), each with its regression test.
+depfix() {
+  local fixes p pkgs
+  fixes=$repo/patches/k3s-deps/$(basename "$2")@$3
+  [ -d "$fixes" ] || return 1
+  for p in "$fixes"/*.patch; do
+    (cd "$1" && GIT_CEILING_DIRECTORIES=$standins git apply "$p") || die "$(basename "$p") does not apply to $2 $3"
+  done
+  read -ra pkgs < "$fixes/TESTS"
+  (cd "$1" && GOWORK=off GOFLAGS=-mod=mod go test -count=1 "${pkgs[@]}" >"$standins/depfix-$(basename "$2").log" 2>&1) || { cat "$standins/depfix-$(basename "$2").log" >&2; die "$2 $3 with patches/k3s-deps: its tests (${pkgs[*]}) fail"; }
+  echo "fix:      $2 $3: patches/k3s-deps/$(basename "$fixes") applied, its tests pass (go test ${pkgs[*]})"
+}
 
 edits=()
 echo "== the k3s-io forks: k3s's own where the module proxy serves them, an upstream stand-in where it refuses"
 while read -r old target version kind note; do
   case "$kind:$target" in
     fork:*)
-      echo "fork:     $old -> $target $version (served)" ;;
+      echo "fork:     $old -> $target $version (served)"
+      if [ -d "$repo/patches/k3s-deps/$(basename "$target")@$version" ]; then
+        dir=$standins/$(basename "$target")
+        rm -rf "$dir"; cp -a "$(moddir "$target" "$version")" "$dir"; chmod -R u+w "$dir"
+        depfix "$dir" "$target" "$version"
+        edits+=("-replace=$old=$dir")
+      fi ;;
     unknown:*)
       die "$old: the module proxy said nothing of $note (go mod download gave neither a module nor an error)" ;;
     local:kubernetes-fork)
@@ -162,6 +182,7 @@ while read -r old target version kind note; do
       echo "stand-in: $old: $note -> an empty module (built with no_cri_dockerd: no cri-dockerd in this k3s)" ;;
     local:spegel)
       dir=$standins/spegel; unpack "spegel-$version.tar.gz" "$dir"
+      depfix "$dir" "github.com/k3s-io/spegel" "$version" || true
       edits+=("-replace=$old=$dir")
       echo "stand-in: $old: $note -> spegel-$version.tar.gz (the same fork, from the archive)" ;;
     local:kube-router)

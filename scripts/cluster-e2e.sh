@@ -8,4 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 K3S_CLUSTER_TOOLS=$(build/cluster-tools.sh)
 export K3S_CLUSTER_TOOLS
-K3S_E2E_RUN='^TestCluster$' exec bash scripts/k3s-e2e.sh
+# CLUSTER_E2E_RUN: make bench runs TestFleetBench on the same cluster.
+K3S_E2E_RUN=${CLUSTER_E2E_RUN:-'^TestCluster$'} exec bash scripts/k3s-e2e.sh

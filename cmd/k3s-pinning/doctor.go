@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
@@ -37,10 +38,21 @@ func findingsOf(s *images.Snapshot) []finding {
 		switch {
 		case r.Wanted && !r.Present:
 			fix := "run `k3s-pinning sync` to import it again from " + r.Source
-			if r.Source == pinning.SourcePolicy || r.Source == "" {
+			problem := fmt.Sprintf("wanted (%s) but missing from containerd", r.Source)
+			if r.Source == pinning.SourcePolicy || r.Source == pinning.SourceWorkload || r.Source == "" || r.Retained {
 				fix = "import it again by hand (`k3s ctr images import`), then run `k3s-pinning sync`"
 			}
-			out = append(out, finding{Subject: r.Ref, Problem: fmt.Sprintf("wanted (%s) but missing from containerd", r.Source), Fix: fix})
+			if r.Retained {
+				problem = fmt.Sprintf("wanted (%s, removed from the images dir, retained) but missing from containerd", r.Source)
+			}
+			if msg, ok := s.Agent.FetchErrors[r.Ref]; ok {
+				problem += "; its fetch failed: " + msg
+				fix = "make it reachable by digest: a node holding it with k3s's --embedded-registry, or a registries.yaml mirror; or import it by hand (`k3s ctr images import`). The agent retries with backoff"
+			} else if slices.Contains(s.Agent.FetchesPending, r.Ref) {
+				problem += "; a fetch is pending"
+				fix = "wait: the running agent is fetching it by digest (--" + images.FlagFetchMissingImages + ")"
+			}
+			out = append(out, finding{Subject: r.Ref, Problem: problem, Fix: fix})
 		case r.Wanted && !r.Pinned:
 			out = append(out, finding{Subject: r.Ref, Problem: fmt.Sprintf("wanted (%s) but not pinned: the kubelet may delete it under disk pressure", r.Source),
 				Fix: "run `k3s-pinning sync`"})
@@ -51,8 +63,8 @@ func findingsOf(s *images.Snapshot) []finding {
 			Fix: "remove it from one archive, or rename the archives so that the one you want sorts first"})
 	}
 	for _, ref := range s.Agent.WaitingForDisk {
-		out = append(out, finding{Subject: ref, Problem: "restore waiting: the disk holding containerd's root is full",
-			Fix: "free space on the image filesystem; the agent retries with backoff and restores it"})
+		out = append(out, finding{Subject: ref, Problem: "restore or fetch waiting: the disk holding containerd's root is full (or above --" + images.FlagFetchMaxDiskUsage + ")",
+			Fix: "free space on the image filesystem; the agent retries with backoff and brings it back"})
 	}
 	if s.Agent.StateError != "" {
 		out = append(out, finding{Subject: "state file", Problem: "cannot be written: " + s.Agent.StateError,

@@ -190,7 +190,11 @@ func newApp(stdout io.Writer) *cli.App {
 						tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 						fmt.Fprintln(tw, "REF\tDIGEST\tSOURCE\tPINNED\tWANTED\tPRESENT")
 						for _, r := range snap.Refs {
-							fmt.Fprintf(tw, "%s\t%s\t%s\t%t\t%t\t%t\n", r.Ref, shortDigest(r.Digest), dash(r.Source), r.Pinned, r.Wanted, r.Present)
+							source := dash(r.Source)
+							if r.Retained {
+								source += " (retained)"
+							}
+							fmt.Fprintf(tw, "%s\t%s\t%s\t%t\t%t\t%t\n", r.Ref, shortDigest(r.Digest), source, r.Pinned, r.Wanted, r.Present)
 						}
 						if err := tw.Flush(); err != nil {
 							return err
@@ -281,7 +285,7 @@ func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agen
 	if _, err := client.Version(vctx); err != nil {
 		return cli.Exit(fmt.Sprintf("containerd at %s does not answer: %v", o.address, err), exitUsage)
 	}
-	agent := images.NewAgent(images.Services(client), images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile, Reporter: o.reporter})
+	agent := images.NewAgent(images.Services(client), o.policy.AgentConfig(images.Config{ImagesDir: o.imagesDir, Policy: policy, ExtraRegistries: o.extraRegistries.Value(), StateFile: o.stateFile, Reporter: o.reporter}))
 	return fn(ctx, agent)
 }
 
@@ -352,6 +356,12 @@ func printAgentView(w io.Writer, v images.AgentView) {
 		v.LastReconcile.Format(time.RFC3339), v.RestoresDone, v.RestoresFailed, len(v.RestoresPending), len(v.WaitingForDisk), len(v.ArchiveErrors))
 	for _, name := range slices.Sorted(maps.Keys(v.ArchiveErrors)) {
 		fmt.Fprintf(w, "agent: archive %s: %s\n", name, v.ArchiveErrors[name])
+	}
+	if v.FetchesDone+v.FetchesFailed+len(v.FetchesPending) > 0 {
+		fmt.Fprintf(w, "agent: fetches done %d, failed %d, pending %d\n", v.FetchesDone, v.FetchesFailed, len(v.FetchesPending))
+	}
+	for _, ref := range slices.Sorted(maps.Keys(v.FetchErrors)) {
+		fmt.Fprintf(w, "agent: fetch %s: %s\n", ref, v.FetchErrors[ref])
 	}
 	if v.StateError != "" {
 		fmt.Fprintf(w, "agent: state file not written: %s\n", v.StateError)

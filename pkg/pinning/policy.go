@@ -41,9 +41,16 @@ func (e *PolicyError) Unwrap() error { return e.Err }
 // A pattern is an exact reference (repo:tag or repo@digest), a bare repository (every tag and
 // digest of it), or a glob with * ? [ ] matched against both the full and the short form of a name
 // (docker.io/library/nginx:1.27 and nginx:1.27). A selector is key or key=value.
+//
+// A pattern value may hold several patterns separated by commas: k3s reads a list flag's K3S_
+// variable as one value (it disables urfave/cli's splitting), and no image name has a comma.
 func NewPolicy(patterns, labelSelectors []string) (*Policy, error) {
 	p := &Policy{}
+	var split []string
 	for _, s := range patterns {
+		split = append(split, strings.Split(s, ",")...)
+	}
+	for _, s := range split {
 		pat, err := parsePattern(s)
 		if err != nil {
 			return nil, &PolicyError{Value: s, Err: err}
@@ -87,6 +94,22 @@ func (p *Policy) Wants(img images.Image) bool {
 		}
 	}
 	return false
+}
+
+// Digests are the references the policy names by digest (repo@sha256:...), normalized as
+// containerd names images: the only ones the policy can name an image by without a guess, so the
+// only ones an agent may fetch for it (a tag may point elsewhere by now).
+func (p *Policy) Digests() []string {
+	if p == nil {
+		return nil
+	}
+	var refs []string
+	for _, pat := range p.patterns {
+		if pat.kind == byDigest {
+			refs = append(refs, pat.text+"@"+pat.digest.String())
+		}
+	}
+	return refs
 }
 
 type patternKind int

@@ -60,6 +60,13 @@ const (
 	// clusterBigRef is the large archive's image, added to agent-2's images dir for killMidImport.
 	clusterBigRef  = "airgap.example/cluster/big:1.0"
 	clusterBigSize = 128 << 20
+	// clusterSharedRef is the fleet's image: its archive (OCI, which keeps its digest) is copied
+	// onto agent-1 only; with k3s-pinning every node names it by digest in --pinned-images and
+	// fetches it from a peer through k3s's embedded registry (--fetch-missing-images).
+	clusterSharedRef     = "airgap.example/cluster/shared:1.0"
+	clusterSharedSize    = 51 << 20
+	clusterSharedArchive = "shared.tar"
+	clusterSharedName    = "shared"
 )
 
 // The host paths a node's mount namespace mounts its own over: they must exist as mount points.
@@ -213,7 +220,9 @@ type cluster struct {
 	lan   *lan
 	// agentImage is the k3s-pinning image archive (daemonSet mode), copied into each images dir.
 	agentImage string
-	nodes      []*clusterNode
+	// shared is clusterSharedRef by digest (repo@sha256:...), as the pinned set names it.
+	shared string
+	nodes  []*clusterNode
 	// kubectlRunner runs kubectl in the server's network namespace, with its kubeconfig.
 	kubectlRunner
 }
@@ -275,11 +284,33 @@ func newCluster(t *testing.T, mode clusterMode, bin, tools string) *cluster {
 		return exec.Command("ip", append([]string{"netns", "exec", s.ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
 	}}
 	images := clusterImages(t)
+	d, err := images[clusterSharedRef].Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.shared = strings.Split(clusterSharedRef, ":")[0] + "@" + d.String()
 	for i, name := range []string{"server", "agent-1", "agent-2"} {
 		c.nodes = append(c.nodes, c.newNode(name, 10+i, i == 0, images))
 	}
 	c.writeManifests()
+	if !mode.daemonSet {
+		c.agentFlags()
+	}
 	return c
+}
+
+// agentFlags gives the agents k3s-pinning's flags as an operator gives them: agent-1 from its
+// config.yaml and a drop-in beside it, agent-2 from its config.yaml and K3S_ variables (k3s reads
+// a list's variable as one value: the patterns separated by commas). Every node names the fleet's
+// image by digest and fetches what it lacks; agent-1, which holds its archive, also keeps a
+// removed archive's images (retained).
+func (c *cluster) agentFlags() {
+	agent1, agent2 := c.agents()[0], c.agents()[1]
+	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"),
+		fmt.Sprintf("pinned-workload-images: true\npinned-images: [%q]\nfetch-missing-images: true\nretain-removed-archive-images: true\n", c.shared))
+	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
+	agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+	agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*," + c.shared, "K3S_FETCH_MISSING_IMAGES=true"}
 }
 
 // writeManifests puts what the server deploys at its start into its server/manifests, as an
@@ -345,7 +376,9 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 		// No pull ever leaves the node: every registry mirrored to a closed loopback port.
 		"--private-registry", filepath.Join(dir, "registries.yaml"), "--disable-default-registry-endpoint"}
 	if server {
-		n.args = append([]string{"server", "--token", clusterToken, "--cluster-cidr", clusterCIDR, "--service-cidr", serviceCIDR,
+		// --embedded-registry: every node's containerd pulls through k3s's spegel first, which
+		// serves what the other nodes' containerd hold (registries.yaml's "*" names what it mirrors).
+		n.args = append([]string{"server", "--embedded-registry", "--token", clusterToken, "--cluster-cidr", clusterCIDR, "--service-cidr", serviceCIDR,
 			"--cluster-dns", clusterDNS, "--flannel-backend", "host-gw",
 			"--write-kubeconfig", filepath.Join(dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
 			"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
@@ -353,6 +386,9 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 	} else {
 		n.args = append([]string{"agent", "--server", fmt.Sprintf("https://%s.10:6443", clusterLAN), "--token", clusterToken,
 			"--node-label", clusterRoleLabel + "=agent"}, n.args...)
+	}
+	if os.Getenv("K3S_E2E_DEBUG") != "" {
+		n.args = append(n.args, "--debug") // k3s's and spegel's debug logs, for a failure's hunt
 	}
 	switch {
 	case c.mode.daemonSet:
@@ -363,7 +399,7 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 		}
 		n.writeFile(filepath.Join(n.imagesDir, "k3s-pinning-image.tar"), string(image))
 	case server:
-		n.args = append(n.args, "--pinned-workload-images")
+		n.args = append(n.args, "--pinned-workload-images", "--pinned-images", c.shared, "--fetch-missing-images")
 	}
 	return n
 }
@@ -423,6 +459,8 @@ func clusterImages(t *testing.T) map[string]v1.Image {
 		k3sToolRef:      runs(8<<20, sleeper, "/sleeper"),
 		unwantedRef:     runs(32<<20, ""),
 		clusterWorkload: runs(32<<20, ""),
+		// The fleet's image runs, so that a pod on each node shows it usable there.
+		clusterSharedRef: runs(clusterSharedSize, sleeper, "/sleeper"),
 	}
 }
 
@@ -447,6 +485,9 @@ func (n *clusterNode) writeImages(images map[string]v1.Image) {
 	hand := []string{unwantedRef}
 	if n.name == "k3sp-agent-1" {
 		hand = append(hand, clusterWorkload)
+		if err := imagetest.WriteOCI(filepath.Join(n.imagesDir, clusterSharedArchive), map[string]any{clusterSharedRef: images[clusterSharedRef]}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for i, ref := range hand {
 		path := filepath.Join(n.dir, fmt.Sprintf("hand-%d.tar", i))
@@ -810,6 +851,12 @@ func (c *cluster) clusterView() (map[string]string, int) {
 func (c *cluster) awaitProtected(r *clusterReport, scenario string) {
 	c.t.Helper()
 	var view map[string]string
+	defer func() {
+		if c.t.Failed() {
+			out, code := c.statusCluster()
+			c.t.Logf("status --cluster (exit %d) when the wait ended:\n%s", code, out)
+		}
+	}()
 	c.server().await(3*time.Minute, "status --cluster: every node protected ("+scenario+")", func() bool {
 		var code int
 		view, code = c.clusterView()
@@ -856,17 +903,10 @@ func TestCluster(t *testing.T) {
 func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterReport) {
 	c := newCluster(t, mode, bin, tools)
 	agent1, agent2 := c.agents()[0], c.agents()[1]
-	if !mode.daemonSet {
-		// The agents take k3s-pinning's flags as an operator gives them: agent-1 from its
-		// config.yaml and a drop-in beside it, agent-2 from its config.yaml and a K3S_ variable.
-		agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
-		agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
-		agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
-		agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*"}
-	}
 	start := time.Now()
 	c.start()
-	t.Logf("cluster of %d nodes Ready in %s", len(c.nodes), time.Since(start).Round(time.Second))
+	ready := time.Now()
+	t.Logf("cluster of %d nodes Ready in %s", len(c.nodes), ready.Sub(start).Round(time.Second))
 	if mode.daemonSet {
 		ds := c.server().await(3*time.Minute, "the DaemonSet's pod Running on every node", func() bool {
 			return runningOn(c.podsOf("k3s-pinning", "app.kubernetes.io/name=k3s-pinning"), c.nodes)
@@ -887,6 +927,7 @@ func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterRep
 	if mode.daemonSet {
 		c.ownNodeOnly(r)
 	}
+	c.fleet(r, ready)
 
 	c.deployWeb()
 	phase := c.crossNodeRequest(agent2, agent1)
@@ -909,12 +950,23 @@ func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterRep
 	for _, n := range c.nodes {
 		before[n.name] = n.present(n.airgapRefs()...)
 	}
+	// The workload's image has one copy in the cluster: the kubelets' node.status.images list it
+	// on agent-1 only (once agent-1's kubelet has reported it: it lists images every status
+	// update, 10 s apart at most while they change).
+	var only string
+	agent1.await(2*time.Minute, "node.status.images listing "+clusterWorkload, func() bool {
+		only = strings.Join(c.holders(clusterWorkload), ", ")
+		return only != ""
+	})
+	if only != strings.TrimPrefix(agent1.name, "k3sp-") {
+		t.Errorf("node.status.images list %s on [%s], want agent-1 only", clusterWorkload, only)
+	}
 	release := agent1.fill(evictionThreshold - 100<<20)
 	reclaim := agent1.await(3*time.Minute, agent1.name+": the kubelet reclaiming the unwanted image under disk pressure", func() bool { return !agent1.present(unwantedRef)[unwantedRef] })
 	time.Sleep(15 * time.Second) // the reclaim after an eviction (an evicted pod's image is unused then)
 	after := agent1.present(append(agent1.airgapRefs(), clusterWorkload)...)
-	r.set("disk pressure on agent-1 (dd): the kubelet reclaims", agent1.name, fmt.Sprintf("unwanted hand import reclaimed in %s; air-gap + workload: %s",
-		reclaim.Round(100*time.Millisecond), keptCell(agent1, append(agent1.airgapRefs(), clusterWorkload))))
+	r.set("disk pressure on agent-1 (dd): the kubelet reclaims", agent1.name, fmt.Sprintf("unwanted hand import reclaimed in %s; air-gap + workload (its only copy: node.status.images list it on [%s]): %s",
+		reclaim.Round(100*time.Millisecond), only, keptCell(agent1, append(agent1.airgapRefs(), clusterWorkload))))
 	if err := os.Remove(release); err != nil {
 		t.Fatal(err)
 	}
@@ -1071,6 +1123,22 @@ func (n *clusterNode) stop() {
 		n.client = nil
 	}
 	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+	n.killPods()
+}
+
+// killPods kills what the node's pods run (every process under its kubelet's kubepods cgroup)
+// once its k3s is stopped. A node's /run is a fresh tmpfs at each start, so the next containerd
+// does not know the containers the last one ran, and the kubelet starts them again beside the
+// orphans: two DaemonSet pods reporting on one Node, the orphan's socket dead (seen: its periodic
+// reconcile wrote the node's condition False). On a real node /run outlives k3s and containerd
+// takes its containers back.
+func (n *clusterNode) killPods() {
+	var dirs []string
+	for _, pattern := range []string{"/sys/fs/cgroup/*/" + n.cgroupRoot + "/kubepods", "/sys/fs/cgroup/" + n.cgroupRoot + "/kubepods"} {
+		found, _ := filepath.Glob(pattern)
+		dirs = append(dirs, found...)
+	}
+	killCgroupProcs(dirs)
 }
 
 // hog keeps the node's imagefs full, as a pod writing to it would: it appends to a file there
@@ -1210,6 +1278,7 @@ func (c *cluster) killMidImport(r *clusterReport) {
 		}
 	}
 	<-agent2.exited
+	agent2.killPods()
 	agent2.client = nil
 	c.t.Logf("%s: k3s SIGKILLed %s after its start, the import of %s under way", agent2.name, killedAt.Round(10*time.Millisecond), clusterBigRef)
 	agent2.start()
@@ -1242,4 +1311,143 @@ func (c *cluster) killMidImport(r *clusterReport) {
 	r.set(scenario, agent2.name, fmt.Sprintf("killed %s after the start, import under way; after the restart: %s, %s %s; leases: %d of k3s-pinning, %d others",
 		killedAt.Round(10*time.Millisecond), keptCell(agent2, agent2.airgapRefs()), clusterBigRef, whole, ours, len(others)))
 	c.awaitProtected(r, "after the kill -9")
+}
+
+// fleet: the fleet's image, whose archive only agent-1 holds, through k3s's embedded registry.
+// With k3s-pinning every node names it by digest: the peers fetch it from agent-1 and pin it, a
+// pod runs it on each node with imagePullPolicy Never, and once agent-1's archive is deleted and
+// the image removed there (crictl rmi) it comes back from a peer, same digest, pinned. Stock k3s
+// (the DaemonSet not told of it) shows what happens without: the image only where its archive
+// is, and gone once removed there.
+func (c *cluster) fleet(r *clusterReport, ready time.Time) {
+	c.t.Helper()
+	agent1 := c.agents()[0]
+	const scenario = "fleet image (51 MiB archive on agent-1 only, --embedded-registry)"
+	for _, n := range c.nodes {
+		if c.mode.daemonSet {
+			r.set(scenario+": started", n.name, c.sharedCell(n))
+			continue
+		}
+		n.await(4*time.Minute, n.name+": "+c.shared+" present and pinned", func() bool {
+			return n.present(c.shared)[c.shared] && n.criPinned(c.shared)
+		})
+		cell := "present, pinned (its archive)"
+		if n != agent1 {
+			cell = fmt.Sprintf("present, pinned by %s after every node was Ready; %s", time.Since(ready).Round(time.Second), c.fetchedEvent(n))
+		}
+		r.set(scenario+": started", n.name, cell)
+	}
+	c.runShared()
+	var pods map[string][]string
+	c.server().await(3*time.Minute, "the fleet image's pods settled", func() bool {
+		pods = c.pods(clusterSharedName)
+		if c.mode.daemonSet {
+			return slices.Contains(pods[agent1.name], "Running") && slices.Contains(pods[c.server().name], "ErrImageNeverPull")
+		}
+		return runningOn(pods, c.nodes)
+	})
+	for _, n := range c.nodes {
+		r.set(scenario+": a pod on each node, imagePullPolicy Never", n.name, strings.Join(pods[n.name], ", "))
+	}
+	c.mustKubectl("delete", "daemonset", clusterSharedName, "--wait=true")
+	c.server().await(2*time.Minute, "the fleet image's pods gone", func() bool { return len(c.pods(clusterSharedName)) == 0 })
+
+	// The archive deleted to save disk, then the image removed on agent-1.
+	if err := os.Remove(filepath.Join(agent1.imagesDir, clusterSharedArchive)); err != nil {
+		c.t.Fatal(err)
+	}
+	time.Sleep(3 * time.Second) // the images dir's change followed (1 s to settle, then a sync)
+	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", c.shared); err != nil {
+		c.t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, c.shared, err, out)
+	}
+	removed := time.Now()
+	const deleted = scenario + ": archive deleted on agent-1, then crictl rmi there"
+	if c.mode.daemonSet {
+		time.Sleep(30 * time.Second)
+		for _, n := range c.nodes {
+			r.set(deleted, n.name, c.sharedCell(n)+" (30 s after the rmi)")
+		}
+		return
+	}
+	back := agent1.await(3*time.Minute, c.shared+" back on "+agent1.name+" from a peer", func() bool {
+		return agent1.present(c.shared, clusterSharedRef)[c.shared] && agent1.criPinned(c.shared)
+	})
+	cell := fmt.Sprintf("back from a peer %s after the rmi, same digest, pinned", back.Round(100*time.Millisecond))
+	// agent-1 retains what the deleted archive provided: the tag comes back with the image.
+	if agent1.present(clusterSharedRef)[clusterSharedRef] && agent1.criPinned(clusterSharedRef) {
+		cell += "; its tag too (retained)"
+	} else {
+		c.t.Errorf("%s: %s not back and pinned although its archive is retained", agent1.name, clusterSharedRef)
+	}
+	cell += "; " + c.fetchedEvent(agent1)
+	r.set(deleted, agent1.name, cell)
+	c.t.Logf("%s: %s back %s after the rmi (removed at %s)", agent1.name, c.shared, back.Round(100*time.Millisecond), removed.Format(time.TimeOnly))
+}
+
+// runShared runs the fleet's image on every node: a DaemonSet naming it by digest, Never pulled.
+func (c *cluster) runShared() {
+	c.t.Helper()
+	c.apply(clusterSharedName, fmt.Sprintf(`apiVersion: apps/v1
+kind: DaemonSet
+metadata: {name: %[1]s, namespace: default}
+spec:
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+      terminationGracePeriodSeconds: 1
+      containers:
+      - {name: main, image: %[2]s, imagePullPolicy: Never}
+`, clusterSharedName, c.shared))
+}
+
+// sharedCell says where the fleet's image is on n: present and pinned, present, or not there.
+func (c *cluster) sharedCell(n *clusterNode) string {
+	switch {
+	case !n.present(c.shared)[c.shared]:
+		return "NOT THERE"
+	case n.criPinned(c.shared):
+		return "present, pinned"
+	default:
+		return "present, NOT pinned"
+	}
+}
+
+// fetchedEvent is the newest ImageFetched Event of n naming the fleet's image, as the cluster
+// shows it: how long the pull took.
+func (c *cluster) fetchedEvent(n *clusterNode) string {
+	out, err := c.kubectl("get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+n.name+",reason=ImageFetched",
+		"--sort-by=.lastTimestamp", "-o", "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}")
+	if err != nil {
+		return "no ImageFetched Event (" + err.Error() + ")"
+	}
+	var last string
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		if strings.Contains(line, c.shared) {
+			last = line
+		}
+	}
+	if _, after, ok := strings.Cut(last, " in "); ok {
+		took, _, _ := strings.Cut(after, " ")
+		return "its ImageFetched Event: pulled in " + took
+	}
+	c.t.Errorf("%s: no ImageFetched Event naming %s in the cluster", n.name, c.shared)
+	return "NO ImageFetched Event"
+}
+
+// holders are the nodes whose status.images (the kubelet's report) list ref.
+func (c *cluster) holders(ref string) []string {
+	out, err := c.kubectl("get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name}{"\t"}{range .status.images[*]}{range .names[*]}{@}{" "}{end}{end}{"\n"}{end}`)
+	if err != nil {
+		c.t.Logf("node.status.images: %v", err)
+		return nil
+	}
+	var names []string
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		node, images, _ := strings.Cut(line, "\t")
+		if slices.Contains(strings.Fields(images), ref) {
+			names = append(names, strings.TrimPrefix(node, "k3sp-"))
+		}
+	}
+	return names
 }

@@ -79,6 +79,21 @@ type Config struct {
 	// Reporter, when set, is told the agent's events and the node's protection (the cluster
 	// package: Events and a condition on the Node).
 	Reporter Reporter
+	// Fetch fetches a wanted image that is missing and that no archive here provides, by
+	// digest, through the CRI (PolicyValues.FetchMissingImages); FetchMaxDiskUsage bounds it.
+	Fetch             bool
+	FetchMaxDiskUsage int
+	// RetainRemoved keeps what a removed archive provided (PolicyValues.RetainRemovedArchiveImages).
+	RetainRemoved bool
+	// ImagefsUsage says how full the image filesystem is, in percent, and where it is; nil: the
+	// CRI's ImageFsInfo mount point, measured with statfs, as the kubelet measures it.
+	ImagefsUsage func(ctx context.Context) (percent float64, path string, err error)
+}
+
+// AgentConfig is the part of the agent's Config these values set.
+func (v PolicyValues) AgentConfig(cfg Config) Config {
+	cfg.Fetch, cfg.RetainRemoved, cfg.FetchMaxDiskUsage = v.FetchMissingImages, v.RetainRemovedArchiveImages, v.FetchMaxDiskUsage
+	return cfg
 }
 
 // Agent keeps the images of the images dir, and those the policy names, present and pinned. Its
@@ -107,6 +122,10 @@ type Agent struct {
 	// ownImportLeases has run (it runs once).
 	agentLock        *os.File
 	importLeasesDone bool
+	// toRestore and toFetch are what Run has waiting: restores by archive, fetches by the
+	// repo@digest pulled (nil outside Run).
+	toRestore map[string]*pendingRestore
+	toFetch   map[string]*pendingFetch
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -168,7 +187,7 @@ func (a *Agent) saveState() {
 
 // newPlan is the keep-decision for the archives present, with the indexes read from them.
 func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *Plan {
-	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads})
+	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads, retained: a.state.Retained})
 }
 
 // requestSync asks Run for a full sync; requests made while one is pending are one.
@@ -299,6 +318,7 @@ func (a *Agent) Sync(ctx context.Context) *SyncReport {
 
 func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.ownImportLeases(ctx)
+	a.reloadRetained()
 	start := time.Now()
 	defer func() { a.metrics.reconcile.Observe(time.Since(start).Seconds()) }()
 	sv := a.survey()
@@ -333,7 +353,18 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 			releases = append(releases, a.recordArchive(reps[i], sv.read[ar.Name()], sv.digests[ar.Name()])...)
 		}
 	}
+	for _, name := range a.present {
+		delete(a.state.Retained, name) // back in the dir: its record now is the archive's
+	}
 	for _, name := range slices.Sorted(maps.Keys(a.state.Archives)) {
+		if !slices.Contains(a.present, name) && a.cfg.RetainRemoved {
+			// k3s issue 11363: an operator removes an archive to save disk, not to let its
+			// images go. They stay pinned under the archive's name until unpin.
+			logrus.Infof("%s left the images dir: its %d reference(s) stay pinned, retained (--%s), until `k3s-pinning unpin`", name, len(a.state.Archives[name].Refs), FlagRetainRemoved)
+			a.state.Retained[name] = a.state.Archives[name]
+			delete(a.state.Archives, name)
+			continue
+		}
 		if !slices.Contains(a.present, name) {
 			logrus.Infof("%s left the images dir: unpinning what only it wanted", name)
 			releases = append(releases, release{source: name, had: a.state.Archives[name].Refs})
@@ -625,8 +656,60 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 	if err := a.pinner.Unpin(ctx, img.Name); err != nil {
 		return "", err
 	}
+	// A retained archive's image is kept until it is unpinned: every name the archive gave it
+	// goes with the one named, so that nothing pins it again.
+	for _, name := range a.dropRetained(img.Name) {
+		if name == img.Name {
+			continue
+		}
+		if err := a.pinner.Unpin(ctx, name); err != nil && !errdefs.IsNotFound(err) && !errors.Is(err, pinning.ErrNotOurs) {
+			return "", err
+		}
+		logrus.Infof("unpinned %s too: a removed archive retained it with %s", name, img.Name)
+	}
 	sv := a.survey()
 	return a.newPlan(sv.present, sv.read).Heir(img, pinning.SourceManual), nil
+}
+
+// reloadRetained takes the retained archives from the state file, where `k3s-pinning unpin`, run
+// as another process beside this agent, drops them. Only when this agent's last save succeeded:
+// otherwise the file is older than what it holds in memory.
+func (a *Agent) reloadRetained() {
+	if a.cfg.StateFile == "" || a.state.Agent.StateError != "" {
+		return
+	}
+	if s, err := LoadState(a.cfg.StateFile); err == nil {
+		a.state.Retained = s.Retained
+	}
+}
+
+// dropRetained removes ref, and every other name a retained archive recorded for the same image,
+// from the retained archives (an archive left with nothing is forgotten), and saves the state.
+// It returns the names dropped.
+func (a *Agent) dropRetained(ref string) []string {
+	var dropped []string
+	for _, name := range slices.Sorted(maps.Keys(a.state.Retained)) {
+		rec := a.state.Retained[name]
+		d, ok := rec.Refs[ref]
+		if !ok {
+			continue
+		}
+		for r, rd := range rec.Refs {
+			if rd == d {
+				delete(rec.Refs, r)
+				dropped = append(dropped, r)
+			}
+		}
+		rec.Images = slices.DeleteFunc(rec.Images, func(img airgap.IndexedImage) bool { _, kept := rec.Refs[img.Ref]; return !kept })
+		if len(rec.Refs) == 0 {
+			delete(a.state.Retained, name)
+			logrus.Infof("%s: nothing retained any more; forgotten", name)
+		}
+	}
+	if len(dropped) > 0 {
+		a.saveState()
+	}
+	return dropped
 }
 
 // existing is the image ref names, as given or in its normalized form (nginx:1 is

@@ -17,7 +17,14 @@ const (
 	FlagDisableImagePinning  = "disable-image-pinning"
 	FlagDisableImageRestore  = "disable-image-restore"
 	FlagPinnedWorkloadImages = "pinned-workload-images"
+	FlagFetchMissingImages   = "fetch-missing-images"
+	FlagRetainRemoved        = "retain-removed-archive-images"
+	FlagFetchMaxDiskUsage    = "fetch-max-disk-usage"
 )
+
+// DefaultFetchMaxDiskUsage is the kubelet's default image GC high threshold (percent): a fetch
+// that starts above it would cause the very pressure it protects against.
+const DefaultFetchMaxDiskUsage = 85
 
 // PolicyValues are the values of the policy flags, plain.
 type PolicyValues struct {
@@ -26,6 +33,18 @@ type PolicyValues struct {
 	// PinnedWorkloadImages keeps every image a workload of the cluster references; it needs the
 	// cluster (K3sConfig.WatchWorkloads, or the command's --kubeconfig).
 	PinnedWorkloadImages bool
+	// FetchMissingImages fetches a wanted image that is missing and that no archive of this node
+	// provides (named by digest in --pinned-images, a retained archive's, a workload's named by
+	// digest) through the CRI, by digest: registries.yaml mirrors and k3s's embedded registry
+	// (peers) apply. Off: such an image is pinned only once something imports it.
+	FetchMissingImages bool
+	// RetainRemovedArchiveImages keeps what an archive removed from the images dir provided
+	// pinned, recorded as retained, until `k3s-pinning unpin` (k3s issue 11363: the images dir
+	// doubles what the content store holds). Off: a removed archive's images are unpinned.
+	RetainRemovedArchiveImages bool
+	// FetchMaxDiskUsage: no fetch starts while the image filesystem is used above this percent
+	// (0: DefaultFetchMaxDiskUsage). Set it to the kubelet's --image-gc-high-threshold if changed.
+	FetchMaxDiskUsage int
 }
 
 // Policy parses the values; a malformed one is an error naming its flag and the value.
@@ -38,6 +57,9 @@ func (v PolicyValues) Policy() (*pinning.Policy, error) {
 			flag = FlagPinnedImageLabels
 		}
 		return nil, fmt.Errorf("--%s %q: %w", flag, pe.Value, pe.Err)
+	}
+	if v.FetchMaxDiskUsage < 0 || v.FetchMaxDiskUsage > 100 {
+		return nil, fmt.Errorf("--%s %d: a percentage of the image filesystem, 1 to 100", FlagFetchMaxDiskUsage, v.FetchMaxDiskUsage)
 	}
 	return p, err
 }
@@ -55,8 +77,8 @@ type K3sSettings struct {
 
 // Check checks the values, naming the flag of a bad one, and returns the policy they describe.
 func (s K3sSettings) Check() (*pinning.Policy, error) {
-	if s.DisableImagePinning && (len(s.PinnedImages) > 0 || len(s.PinnedImageLabels) > 0 || s.PinnedWorkloadImages) {
-		return nil, fmt.Errorf("--%s, --%s and --%s need image pinning; remove them or --%s", FlagPinnedImages, FlagPinnedImageLabels, FlagPinnedWorkloadImages, FlagDisableImagePinning)
+	if s.DisableImagePinning && (len(s.PinnedImages) > 0 || len(s.PinnedImageLabels) > 0 || s.PinnedWorkloadImages || s.FetchMissingImages || s.RetainRemovedArchiveImages) {
+		return nil, fmt.Errorf("--%s, --%s, --%s, --%s and --%s need image pinning; remove them or --%s", FlagPinnedImages, FlagPinnedImageLabels, FlagPinnedWorkloadImages, FlagFetchMissingImages, FlagRetainRemoved, FlagDisableImagePinning)
 	}
 	return s.Policy()
 }
@@ -105,6 +127,12 @@ func policyFlags(envPrefix string) []cli.Flag {
 			Usage: "(agent/images) Keep images carrying these containerd labels: key or key=value"},
 		&cli.BoolFlag{Name: FlagPinnedWorkloadImages, EnvVars: envVars(envPrefix, FlagPinnedWorkloadImages),
 			Usage: "(agent/images) Keep every image a workload of the cluster references (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, Pods), scaled to zero or not; needs list and watch on them"},
+		&cli.BoolFlag{Name: FlagFetchMissingImages, EnvVars: envVars(envPrefix, FlagFetchMissingImages),
+			Usage: "(agent/images) Fetch a wanted image that is missing and that no archive here provides (--pinned-images by digest, retained, a workload's by digest) through the CRI, by digest: registries.yaml mirrors and the embedded registry's peers apply"},
+		&cli.BoolFlag{Name: FlagRetainRemoved, EnvVars: envVars(envPrefix, FlagRetainRemoved),
+			Usage: "(agent/images) Keep the images of an archive removed from the images dir pinned, as retained, until `k3s-pinning unpin`; a deleted one is fetched (--fetch-missing-images)"},
+		&cli.IntFlag{Name: FlagFetchMaxDiskUsage, EnvVars: envVars(envPrefix, FlagFetchMaxDiskUsage), Value: DefaultFetchMaxDiskUsage,
+			Usage: "(agent/images) Start no fetch while the image filesystem is used above this percent (the kubelet's image GC high threshold)"},
 	}
 }
 
@@ -114,7 +142,8 @@ func envVars(envPrefix, flag string) []string {
 }
 
 func policyValues(c *cli.Context) PolicyValues {
-	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels), PinnedWorkloadImages: c.Bool(FlagPinnedWorkloadImages)}
+	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels), PinnedWorkloadImages: c.Bool(FlagPinnedWorkloadImages),
+		FetchMissingImages: c.Bool(FlagFetchMissingImages), RetainRemovedArchiveImages: c.Bool(FlagRetainRemoved), FetchMaxDiskUsage: c.Int(FlagFetchMaxDiskUsage)}
 }
 
 // actions makes every flag that is set (on the command line, in the environment or the config
@@ -127,6 +156,8 @@ func actions(flags []cli.Flag, read func(*cli.Context) error) []cli.Flag {
 			f.Action = func(c *cli.Context, _ bool) error { return read(c) }
 		case *cli.StringSliceFlag:
 			f.Action = func(c *cli.Context, _ []string) error { return read(c) }
+		case *cli.IntFlag:
+			f.Action = func(c *cli.Context, _ int) error { return read(c) }
 		}
 	}
 	return flags

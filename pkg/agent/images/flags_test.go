@@ -4,10 +4,21 @@ import (
 	"strings"
 	"testing"
 
+	ctrimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/distribution/reference"
 	"github.com/urfave/cli/v2"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 )
+
+// ctrImage is an image as containerd lists it, by its full name.
+func ctrImage(ref string) ctrimages.Image {
+	named, err := reference.ParseNormalizedNamed(ref)
+	if err != nil {
+		panic(err)
+	}
+	return ctrimages.Image{Name: named.String()}
+}
 
 // k3sApp is a k3s-like app: `server` and `agent` each with the k3s-pinning flags appended, as the
 // patch appends them, sharing one options value.
@@ -15,6 +26,8 @@ func k3sApp(o *images.K3sSettings, prefix string) *cli.App {
 	action := func(*cli.Context) error { return nil }
 	return &cli.App{
 		Name: "k3s",
+		// As k3s's cmd/server, cmd/agent and cmd/k3s set it: a list flag's K3S_ variable is one value.
+		DisableSliceFlagSeparator: true,
 		Commands: []*cli.Command{
 			{Name: "server", Flags: images.K3sFlags(o, prefix), Action: action},
 			{Name: "agent", Flags: images.K3sFlags(o, prefix), Action: action},
@@ -45,10 +58,12 @@ func TestK3sFlags(t *testing.T) {
 			check: func(o *images.K3sSettings) bool {
 				return o.DisableImageRestore && len(o.PinnedImages) == 2 && o.PinnedImageLabels[0] == "team=infra"
 			}},
+		// k3s reads the variable as one value (no splitting); the policy splits it on commas.
 		{name: "K3S_ environment variables", args: []string{"agent"},
 			env: map[string]string{"K3S_DISABLE_IMAGE_RESTORE": "true", "K3S_PINNED_IMAGES": "a.example/x:1,b.example/*"},
 			check: func(o *images.K3sSettings) bool {
-				return o.DisableImageRestore && len(o.PinnedImages) == 2
+				p, err := o.Policy()
+				return err == nil && o.DisableImageRestore && p.Wants(ctrImage("a.example/x:1")) && p.Wants(ctrImage("b.example/y:2")) && !p.Wants(ctrImage("a.example/x:2"))
 			}},
 		{name: "the program's own prefix (rke2)", args: []string{"agent"}, prefix: "RKE2",
 			env:   map[string]string{"RKE2_DISABLE_IMAGE_PINNING": "true", "K3S_DISABLE_IMAGE_PINNING": "false"},
@@ -61,6 +76,22 @@ func TestK3sFlags(t *testing.T) {
 		{name: "malformed pattern", args: []string{"agent", "--pinned-images", "registry.local/[app"}, wantErr: "--pinned-images"},
 		{name: "malformed label selector", args: []string{"server", "--pinned-image-labels", "=x"}, wantErr: "--pinned-image-labels"},
 		{name: "policy without pinning", args: []string{"agent", "--disable-image-pinning", "--pinned-images", "a.example/x:1"}, wantErr: "--disable-image-pinning"},
+		// No flag given: no action reads them, and 0 is the agent's DefaultFetchMaxDiskUsage.
+		{name: "the fleet's flags: off by default", args: []string{"agent"},
+			check: func(o *images.K3sSettings) bool {
+				return !o.FetchMissingImages && !o.RetainRemovedArchiveImages && o.FetchMaxDiskUsage == 0
+			}},
+		{name: "the fleet's flags as config-file keys", args: []string{"server", "--fetch-missing-images=true", "--retain-removed-archive-images=true", "--fetch-max-disk-usage=70"},
+			check: func(o *images.K3sSettings) bool {
+				return o.FetchMissingImages && o.RetainRemovedArchiveImages && o.FetchMaxDiskUsage == 70
+			}},
+		{name: "the fleet's flags as K3S_ variables", args: []string{"agent"},
+			env: map[string]string{"K3S_FETCH_MISSING_IMAGES": "true", "K3S_RETAIN_REMOVED_ARCHIVE_IMAGES": "true", "K3S_FETCH_MAX_DISK_USAGE": "60"},
+			check: func(o *images.K3sSettings) bool {
+				return o.FetchMissingImages && o.RetainRemovedArchiveImages && o.FetchMaxDiskUsage == 60
+			}},
+		{name: "disk usage over 100", args: []string{"agent", "--fetch-max-disk-usage", "101"}, wantErr: "--fetch-max-disk-usage 101"},
+		{name: "fetch without pinning", args: []string{"agent", "--disable-image-pinning", "--fetch-missing-images"}, wantErr: "--disable-image-pinning"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			for k, v := range c.env {

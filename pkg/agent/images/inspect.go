@@ -6,6 +6,8 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/containerd/containerd/v2/core/images"
+
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -17,6 +19,9 @@ type RefStatus struct {
 	Pinned  bool   `json:"pinned"`  // the CRI pin label is set on this reference
 	Wanted  bool   `json:"wanted"`  // k3s-pinning wants it kept
 	Present bool   `json:"present"` // the reference exists in containerd
+	// Retained: Source is an archive removed from the images dir whose references are kept
+	// (--retain-removed-archive-images) until `k3s-pinning unpin`.
+	Retained bool `json:"retained,omitempty"`
 }
 
 // Snapshot is the node as the agent sees it: every reference present or wanted, the archives
@@ -62,7 +67,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 		}
 		snap.Refs = append(snap.Refs, RefStatus{
 			Ref: img.Name, Digest: img.Target.Digest.String(), Source: src,
-			Pinned: pinning.IsPinned(img.Labels), Wanted: wanted, Present: true,
+			Pinned: pinning.IsPinned(img.Labels), Wanted: wanted, Present: true, Retained: plan.Retained(src),
 		})
 		if m := pinning.MisspelledPin(img.Labels); m != "" {
 			snap.Misspelled = append(snap.Misspelled, Misspelling{Ref: img.Name, Label: m})
@@ -70,7 +75,15 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	}
 	for ref, src := range plan.Provided() {
 		if !present[ref] {
-			snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: plan.digests[ref].String(), Source: src, Wanted: true})
+			snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: plan.digests[ref].String(), Source: src, Wanted: true, Retained: plan.Retained(src)})
+		}
+	}
+	if a.cfg.Fetch { // wanted wherever they are: missing here until fetched
+		for ref, d := range plan.fetchable {
+			if _, provided := plan.refs[ref]; !present[ref] && !provided {
+				src, _ := plan.Source(images.Image{Name: ref})
+				snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: d.String(), Source: src, Wanted: true})
+			}
 		}
 	}
 	sort.Slice(snap.Refs, func(i, j int) bool { return snap.Refs[i].Ref < snap.Refs[j].Ref })

@@ -65,7 +65,7 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 		return nil, nil, fmt.Errorf("k3s-pinning: containerd at %s: %w", cfg.Address, err)
 	}
 	ctx = namespaces.WithNamespace(ctx, pinning.DefaultNamespace)
-	agent := NewAgent(Services(client), Config{ImagesDir: cfg.ImagesDir, Policy: policy, ExtraRegistries: cfg.ExtraRegistries, StateFile: cfg.StateFile, Reporter: cfg.Reporter})
+	agent := NewAgent(Services(client), cfg.PolicyValues.AgentConfig(Config{ImagesDir: cfg.ImagesDir, Policy: policy, ExtraRegistries: cfg.ExtraRegistries, StateFile: cfg.StateFile, Reporter: cfg.Reporter}))
 	start := time.Now()
 	report := agent.Sync(ctx)
 	if err := report.Err(); err != nil {

@@ -2,16 +2,12 @@ package images_test
 
 import (
 	"fmt"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/google/go-containerregistry/pkg/name"
-	"github.com/google/go-containerregistry/pkg/registry"
-	"github.com/google/go-containerregistry/pkg/v1/remote"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
@@ -23,25 +19,11 @@ import (
 // repo@digest reference; a bad line and an unreachable registry are named and do not stop the rest.
 func TestListIsPulledThroughCRIAndPinned(t *testing.T) {
 	n := newNode(t)
-	reg := httptest.NewServer(registry.New())
-	t.Cleanup(reg.Close)
-	host := strings.TrimPrefix(reg.URL, "http://")
-	ref := host + "/team/pulled:1.0"
 	img, err := imagetest.Image(32<<10, imagetest.Amd64)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tag, err := name.NewTag(ref, name.Insecure)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := remote.Write(tag, img); err != nil {
-		t.Fatal(err)
-	}
-	dgst, err := img.Digest()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ref, byDigest := newPeer(t).push(t, "team/pulled:1.0", img)
 	// Port 1 on loopback: nothing listens, the pull fails at once.
 	list := fmt.Sprintf("# air-gap list\n%s\n\nnot/a/REF::\n127.0.0.1:1/missing/image:1.0\n", ref)
 	if err := os.WriteFile(filepath.Join(n.imagesDir, "images.txt"), []byte(list), 0o644); err != nil {
@@ -57,7 +39,7 @@ func TestListIsPulledThroughCRIAndPinned(t *testing.T) {
 			t.Errorf("error does not name %s:\n%v", want, err)
 		}
 	}
-	for _, r := range []string{ref, host + "/team/pulled@" + dgst.String()} {
+	for _, r := range []string{ref, byDigest} {
 		if present, pinned := n.criPinned(r); !present || !pinned {
 			t.Errorf("%s: present=%t pinned=%t", r, present, pinned)
 		}
@@ -70,17 +52,11 @@ func TestListIsPulledThroughCRIAndPinned(t *testing.T) {
 // TestRunRestoresListEntryByPulling: a wanted .txt reference deleted through the CRI is pulled again.
 func TestRunRestoresListEntryByPulling(t *testing.T) {
 	n := newNode(t)
-	reg := httptest.NewServer(registry.New())
-	t.Cleanup(reg.Close)
-	ref := strings.TrimPrefix(reg.URL, "http://") + "/team/listed:1.0"
 	img, err := imagetest.Image(32<<10, imagetest.Amd64)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tag, _ := name.NewTag(ref, name.Insecure)
-	if err := remote.Write(tag, img); err != nil {
-		t.Fatal(err)
-	}
+	ref, _ := newPeer(t).push(t, "team/listed:1.0", img)
 	if err := os.WriteFile(filepath.Join(n.imagesDir, "pull.txt"), []byte(ref+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}

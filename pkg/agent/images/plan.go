@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/containerd/containerd/v2/core/images"
+	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
@@ -34,6 +35,13 @@ type Plan struct {
 	// has not answered): then a pin set for a workload is kept as it is, never released on a
 	// guess.
 	workloads map[string]bool
+	// retained are archives removed from the images dir whose references stay wanted
+	// (--retain-removed-archive-images): they provide like an archive, but nothing restores
+	// from them; a deleted one is fetched.
+	retained map[string]bool
+	// fetchable are the wanted references that can be fetched by a digest known for them: those
+	// the policy names by digest, a retained archive's, a workload's named by digest.
+	fetchable map[string]digest.Digest
 }
 
 // planInput is what a plan is made of.
@@ -48,6 +56,8 @@ type planInput struct {
 	policy          *pinning.Policy
 	extraRegistries []string
 	workloads       map[string]bool
+	// retained are the records of archives removed from the images dir that are kept.
+	retained map[string]*ArchiveState
 }
 
 // newPlan decides, archive by archive in file-name order, what each provides: the names its
@@ -55,7 +65,8 @@ type planInput struct {
 // docker archives are known only after import). The first archive to provide a reference is its
 // source, the same rule by which ownership decides which archive loads it.
 func newPlan(in planInput) *Plan {
-	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.policy, workloads: in.workloads}
+	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.policy, workloads: in.workloads,
+		retained: map[string]bool{}, fetchable: map[string]digest.Digest{}}
 	names := slices.Sorted(slices.Values(in.present))
 	claims := map[string]*airgap.Index{}
 	var ordered []*airgap.Index
@@ -87,7 +98,42 @@ func newPlan(in planInput) *Plan {
 			}
 		}
 	}
+	// A retained archive provides after every archive present: one back in the dir, or another
+	// providing the same reference, comes first.
+	for _, name := range slices.Sorted(maps.Keys(in.retained)) {
+		if p.archives[name] {
+			continue
+		}
+		p.retained[name] = true
+		rec := in.retained[name]
+		for _, r := range slices.Sorted(maps.Keys(rec.Refs)) {
+			p.provide(r, name, rec.Refs[r])
+			if p.refs[r] == name && rec.Refs[r] != "" {
+				p.fetchable[r] = rec.Refs[r]
+			}
+		}
+	}
+	for _, r := range in.policy.Digests() {
+		if d := refDigest(r); d != "" && !p.archives[p.refs[r]] {
+			p.fetchable[r] = d
+		}
+	}
+	for r := range in.workloads {
+		if d := refDigest(r); d != "" && !p.archives[p.refs[r]] {
+			p.fetchable[r] = d
+		}
+	}
 	return p
+}
+
+// refDigest is the digest ref names (repo@sha256:...), or "" for a tag.
+func refDigest(ref string) digest.Digest {
+	if named, err := reference.ParseNormalizedNamed(ref); err == nil {
+		if c, ok := named.(reference.Canonical); ok {
+			return c.Digest()
+		}
+	}
+	return ""
 }
 
 func (p *Plan) provide(ref, archive string, d digest.Digest) {
@@ -121,8 +167,25 @@ func (p *Plan) Source(img images.Image) (string, bool) {
 	return "", false
 }
 
-// Archive is the archive that provides ref, or "": where a deleted reference is restored from.
-func (p *Plan) Archive(ref string) string { return p.refs[ref] }
+// Archive is the archive in the images dir that provides ref, or "": where a deleted reference is
+// restored from (a retained archive is gone: its references are fetched).
+func (p *Plan) Archive(ref string) string {
+	if src := p.refs[ref]; p.archives[src] {
+		return src
+	}
+	return ""
+}
+
+// Fetchable is the digest a missing ref can be fetched by, when it is wanted, no archive in the
+// images dir provides it, and a digest is known for it; ok false otherwise.
+func (p *Plan) Fetchable(ref string) (d digest.Digest, ok bool) {
+	d, ok = p.fetchable[ref]
+	return d, ok
+}
+
+// Retained reports whether source is an archive removed from the images dir whose references
+// are kept.
+func (p *Plan) Retained(source string) bool { return p.retained[source] }
 
 // Heir is what wants img kept once source gives it up: Source without the pin source records.
 func (p *Plan) Heir(img images.Image, source string) string {

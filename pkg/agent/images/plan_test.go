@@ -239,3 +239,58 @@ func BenchmarkKeep(b *testing.B) {
 		}
 	}
 }
+
+// TestPlanFetchable: what can be fetched, by which digest, and what a retained archive provides.
+// A retained archive's references are wanted (its name the source) and fetchable, but nothing
+// restores from it; an archive back in the dir, or another providing the reference, comes first;
+// the policy's and the workloads' references by digest are fetchable unless an archive present
+// provides them; a tag is never fetchable by itself.
+func TestPlanFetchable(t *testing.T) {
+	kept, other := testDigest("kept-manifest"), testDigest("other-manifest")
+	byDigest := "registry.local/team/app@" + testDigest("app").String()
+	workload := "registry.local/team/job@" + testDigest("job").String()
+	policy, err := pinning.NewPolicy([]string{byDigest, "registry.local/team/tagged:1"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := planInput{
+		present:  []string{"present.tar"},
+		read:     map[string]*airgap.Index{"present.tar": index("present.tar", airgap.DockerArchive, airgap.IndexedImage{Ref: "registry.local/team/shared:1", Digest: other})},
+		recorded: map[string]*ArchiveState{},
+		retained: map[string]*ArchiveState{
+			"kept.tar": recorded(airgap.OCIArchive, map[string]digest.Digest{"registry.local/team/kept:1": kept, "registry.local/team/kept@" + kept.String(): kept, "registry.local/team/shared:1": kept}),
+		},
+		policy:    policy,
+		workloads: map[string]bool{workload: true, "registry.local/team/web:2": true},
+	}
+	p := newPlan(in)
+	for ref, want := range map[string]digest.Digest{
+		"registry.local/team/kept:1":                kept,
+		"registry.local/team/kept@" + kept.String(): kept,
+		byDigest: testDigest("app"),
+		workload: testDigest("job"),
+	} {
+		if d, ok := p.Fetchable(ref); !ok || d != want {
+			t.Errorf("Fetchable(%s) = %s, %t; want %s", ref, d, ok, want)
+		}
+	}
+	for _, ref := range []string{"registry.local/team/shared:1", "registry.local/team/tagged:1", "registry.local/team/web:2"} {
+		if d, ok := p.Fetchable(ref); ok {
+			t.Errorf("Fetchable(%s) = %s: an archive present provides it, or it is a tag", ref, d)
+		}
+	}
+	if src, ok := p.Source(image("registry.local/team/kept:1", nil)); !ok || src != "kept.tar" || !p.Retained(src) {
+		t.Errorf("Source(kept:1) = %q, %t (retained %t); want kept.tar, retained", src, ok, p.Retained(src))
+	}
+	if src, _ := p.Source(image("registry.local/team/shared:1", nil)); src != "present.tar" {
+		t.Errorf("Source(shared:1) = %q: the archive present comes before the retained one", src)
+	}
+	if a := p.Archive("registry.local/team/kept:1"); a != "" {
+		t.Errorf("Archive(kept:1) = %q: a retained archive is gone, nothing restores from it", a)
+	}
+	in.present = append(in.present, "kept.tar")
+	in.read["kept.tar"] = index("kept.tar", airgap.OCIArchive, airgap.IndexedImage{Ref: "registry.local/team/kept:1", Digest: kept})
+	if p := newPlan(in); p.Retained("kept.tar") || p.Archive("registry.local/team/kept:1") != "kept.tar" {
+		t.Errorf("kept.tar back in the dir: retained %t, Archive %q", p.Retained("kept.tar"), p.Archive("registry.local/team/kept:1"))
+	}
+}

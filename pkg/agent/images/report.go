@@ -37,6 +37,8 @@ const (
 	ReasonImageRestored      = "ImageRestored"      // a deleted image is back from its archive
 	ReasonImageRestoreFailed = "ImageRestoreFailed" // it could not be yet (retried with backoff)
 	ReasonImageLost          = "ImageLost"          // a wanted image was deleted and nothing can restore it
+	ReasonImageFetched       = "ImageFetched"       // a missing wanted image was fetched by digest (a peer, a mirror)
+	ReasonImageFetchFailed   = "ImageFetchFailed"   // it could not be yet (retried with backoff)
 	ReasonArchiveLoadFailed  = "ArchiveLoadFailed"  // a file of the images dir failed to load
 	ReasonMisspelledPinLabel = "MisspelledPinLabel" // a label that looks like the pin, which the CRI ignores
 	ReasonPinsAdopted        = "PinsAdopted"        // stock k3s's pins taken over at start
@@ -125,10 +127,21 @@ func (a *Agent) trackListed(listed []images.Image) {
 			missing[ref] = true
 		}
 	}
+	if a.cfg.Fetch {
+		for ref := range a.plan.fetchable { // wanted wherever they are: fetched when missing
+			if !names[ref] {
+				missing[ref] = true
+			}
+		}
+	}
 	for ref := range a.track.lost {
-		if names[ref] {
-			delete(a.track.lost, ref)
-		} else {
+		_, wanted := a.plan.Source(images.Image{Name: ref})
+		switch {
+		case names[ref]:
+			delete(a.track.lost, ref) // back
+		case !wanted:
+			delete(a.track.lost, ref) // nothing wants it any more: not missing
+		default:
 			missing[ref] = true
 		}
 	}
@@ -145,10 +158,11 @@ func (a *Agent) trackListed(listed []images.Image) {
 }
 
 // trackDeleted notes that a wanted reference was deleted. It is missing until it is back (a
-// restore from its archive, or the next sync's load); with no archive to provide it, it is lost.
-func (a *Agent) trackDeleted(name, archive string) {
+// restore from its archive, a fetch, or the next sync's load); with nothing to bring it back
+// (from ""), it is lost.
+func (a *Agent) trackDeleted(name, from string) {
 	a.track.missing[name] = true
-	if archive == "" && !a.track.lost[name] {
+	if from == "" && !a.track.lost[name] {
 		a.track.lost[name] = true
 		a.event(true, ReasonImageLost, "%s was deleted and nothing in the images dir provides it: import it again (k3s-pinning keeps it from then on)", name)
 	}

@@ -224,3 +224,24 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 	a.SetWorkloadImages(nil) // every workload gone
 	n.await(10*time.Second, "web:1.0 released once no workload references it", func() bool { return !n.pinnedLabel("acc.example/web:1.0") })
 }
+
+// TestLostThatNothingWantsIsNotMissing: a workload's image deleted with nothing to restore it
+// from is lost and leaves the node unprotected; once no workload names it, nothing wants it, and
+// the node is protected again (it stayed missing for ever before).
+func TestLostThatNothingWantsIsNotMissing(t *testing.T) {
+	n := newNode(t)
+	hand := "acc.example/job:1.0"
+	handTar := filepath.Join(t.TempDir(), "job.tar")
+	writeArchive(t, filepath.Dir(handTar), archiveCase{file: "job.tar", refs: []string{hand}})
+	n.ctrImport(handTar)
+	rec := &recorder{}
+	a := n.runWith(agentimages.Config{Reporter: rec})
+	a.SetWorkloadImages([]string{hand})
+	n.await(10*time.Second, hand+" pinned for its workload", func() bool { return n.pinnedLabel(hand) })
+	if out, err := exec.Command(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", "k8s.io", "images", "rm", hand).CombinedOutput(); err != nil {
+		t.Fatalf("ctr images rm: %v\n%s", err, out)
+	}
+	n.await(5*time.Second, "unprotected, "+hand+" lost", func() bool { p, _ := rec.last(); return slices.Contains(p.Lost, hand) })
+	a.SetWorkloadImages(nil)
+	n.await(10*time.Second, "protected once no workload names it", func() bool { p, _ := rec.last(); return p.Protected() })
+}

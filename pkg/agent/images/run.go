@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -103,12 +104,28 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 		afterSync()
 	}
 	pending := map[string]*pendingRestore{}
+	fetches := map[string]*pendingFetch{}
+	a.mu.Lock()
+	a.toRestore, a.toFetch = pending, fetches
+	a.mu.Unlock()
+	results := make(chan fetchResult, fetchConcurrency) // never more pulls in flight: sends never block
+	var pulls sync.WaitGroup
+	running := func(f func()) {
+		pulls.Add(1)
+		go func() { defer pulls.Done(); f() }()
+	}
+	defer pulls.Wait() // ctx has ended: the pulls end with it
+	a.mu.Lock()
+	a.scheduleFetches(fetches) // what the start-up sync found missing
+	a.mu.Unlock()
 	ticker := time.NewTicker(opts.ReconcileInterval)
 	defer ticker.Stop()
 	restoreTimer := time.NewTimer(time.Hour)
 	restoreTimer.Stop()
+	fetchTimer := time.NewTimer(0)
 	for {
 		var ev any
+		var res *fetchResult
 		tick, restoreDue := false, false
 		select {
 		case <-ctx.Done():
@@ -116,6 +133,9 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 			a.saveState()
 			a.mu.Unlock()
 			return nil
+		case r := <-results:
+			res = &r
+		case <-fetchTimer.C:
 		case <-ticker.C:
 			tick = true
 		case <-resync:
@@ -134,8 +154,13 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 			a.repin(ctx, e.Name, e.Labels)
 		case *eventstypes.ImageDelete:
 			src := a.plan.Archive(e.Name)
-			if a.keeper.wanted(e.Name) || src != "" {
-				a.trackDeleted(e.Name, src)
+			from := src
+			if from == "" {
+				from = a.fetchFrom(e.Name)
+			}
+			if a.keeper.wanted(e.Name) || from != "" {
+				a.trackDeleted(e.Name, from)
+				a.scheduleFetches(fetches)
 			}
 			if opts.Restore && src != "" {
 				p := pending[src]
@@ -148,15 +173,22 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 				restoreTimer.Reset(restoreGather)
 			}
 		}
+		if res != nil {
+			a.fetched(ctx, *res, fetches)
+		}
 		if tick {
 			a.sync(ctx)
+			a.scheduleFetches(fetches)
 		}
 		if restoreDue {
 			if next := a.restore(ctx, pending); next > 0 {
 				restoreTimer.Reset(next)
 			}
 		}
-		a.updateView(pending)
+		if next := a.startFetches(ctx, fetches, results, running); next > 0 {
+			fetchTimer.Reset(next)
+		}
+		a.updateView()
 		a.reportProtection()
 		a.mu.Unlock()
 		if tick {
@@ -172,6 +204,13 @@ func (a *Agent) repin(ctx context.Context, name string, labels map[string]string
 		return
 	}
 	source, wanted := a.plan.Source(images.Image{Name: name, Labels: labels})
+	if wanted && a.plan.Retained(source) {
+		// Unpinned: maybe by `k3s-pinning unpin`, which lets a retained image go. Ask the state
+		// file, where it said so, before pinning it again.
+		a.reloadRetained()
+		a.replan()
+		source, wanted = a.plan.Source(images.Image{Name: name, Labels: labels})
+	}
 	if !wanted {
 		return
 	}
@@ -202,10 +241,11 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		rec := a.state.Archives[name]
 		ar, err := airgap.At(filepath.Join(a.cfg.ImagesDir, name))
 		if rec == nil || err != nil {
-			delete(pending, name) // the archive left: nothing to restore from
+			delete(pending, name) // the archive left: nothing to restore from, but maybe a fetch
 			for _, ref := range slices.Sorted(maps.Keys(p.refs)) {
-				a.trackDeleted(ref, "")
+				a.trackDeleted(ref, a.fetchFrom(ref))
 			}
+			a.scheduleFetches(a.toFetch)
 			continue
 		}
 		recorded := rec.Refs
@@ -218,7 +258,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
 			a.event(true, ReasonImageRestoreFailed, "restoring %s from %s failed, retrying in %s: %v", firstFew(slices.Sorted(maps.Keys(p.refs))), name, p.backoff, err)
 			p.backoff = min(2*p.backoff, retryMax)
-			a.updateView(pending)
+			a.updateView()
 			a.saveState() // status and doctor, in other processes, show what is waiting
 			if next == 0 || p.backoff < next {
 				next = p.backoff
@@ -232,6 +272,8 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		}
 		a.metrics.restores.WithLabelValues("ok").Inc()
 		a.state.Agent.RestoresDone++
+		// It loaded whole: a failure a sync recorded for it (a full disk meanwhile) is over.
+		delete(a.state.Agent.ArchiveErrors, name)
 		took := time.Since(start).Round(time.Millisecond)
 		logrus.Infof("restored %d reference(s) from %s in %s", len(p.refs), name, took)
 		a.event(false, ReasonImageRestored, "restored %s from %s in %s", firstFew(slices.Sorted(maps.Keys(p.refs))), name, took)
@@ -239,7 +281,7 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 			a.trackCreated(ref)
 		}
 		delete(pending, name)
-		a.updateView(pending) // what status and doctor read: this one is no longer pending
+		a.updateView() // what status and doctor read: this one is no longer pending
 		a.saveState()
 	}
 	return next
@@ -264,8 +306,10 @@ func restoreError(rep ArchiveReport, refs map[string]bool) error {
 	return errors.Join(errs...)
 }
 
-func (a *Agent) updateView(pending map[string]*pendingRestore) {
-	a.state.Agent.RestoresPending, a.state.Agent.WaitingForDisk = nil, nil
+// updateView puts the restores and fetches waiting into the agent's view.
+func (a *Agent) updateView() {
+	pending, fetches := a.toRestore, a.toFetch
+	a.state.Agent.RestoresPending, a.state.Agent.WaitingForDisk, a.state.Agent.FetchesPending = nil, nil, nil
 	for _, p := range pending {
 		for ref := range p.refs {
 			a.state.Agent.RestoresPending = append(a.state.Agent.RestoresPending, ref)
@@ -274,6 +318,17 @@ func (a *Agent) updateView(pending map[string]*pendingRestore) {
 			}
 		}
 	}
+	for _, p := range fetches {
+		for ref := range p.refs {
+			a.state.Agent.FetchesPending = append(a.state.Agent.FetchesPending, ref)
+			if p.noSpace {
+				a.state.Agent.WaitingForDisk = append(a.state.Agent.WaitingForDisk, ref)
+			}
+		}
+	}
+	slices.Sort(a.state.Agent.RestoresPending)
+	slices.Sort(a.state.Agent.WaitingForDisk)
+	slices.Sort(a.state.Agent.FetchesPending)
 }
 
 // isNoSpace reports a full disk, the state in which restores must wait rather than spin. Only

@@ -21,7 +21,18 @@ import (
 // runAgent runs the long-running agent on n until the test ends, and waits for its first sync.
 func (n *node) runAgent(stateFile string, wantPinned ...string) {
 	n.t.Helper()
-	a := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: stateFile})
+	n.runWith(agentimages.Config{StateFile: stateFile})
+	for _, ref := range wantPinned {
+		n.await(10*time.Second, ref+" pinned by the first sync", func() bool { return n.pinnedLabel(ref) })
+	}
+}
+
+// runWith runs an agent with cfg on the node's images dir and containerd (restore on, the
+// periodic reconcile out of the way) until the test ends; Run's error fails the test.
+func (n *node) runWith(cfg agentimages.Config) *agentimages.Agent {
+	n.t.Helper()
+	cfg.ImagesDir = n.imagesDir
+	a := agentimages.NewAgent(agentimages.Services(n.client), cfg)
 	ctx, cancel := context.WithCancel(n.ctx)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx, agentimages.RunOptions{Restore: true, ReconcileInterval: time.Hour}) }()
@@ -31,9 +42,7 @@ func (n *node) runAgent(stateFile string, wantPinned ...string) {
 			n.t.Errorf("Run: %v", err)
 		}
 	})
-	for _, ref := range wantPinned {
-		n.await(10*time.Second, ref+" pinned by the first sync", func() bool { return n.pinnedLabel(ref) })
-	}
+	return a
 }
 
 // await polls cond until it holds or d passes, and returns how long it took.

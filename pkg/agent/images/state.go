@@ -24,6 +24,9 @@ const stateVersion = 1
 type State struct {
 	Version  int                      `json:"version"`
 	Archives map[string]*ArchiveState `json:"archives"` // by file name
+	// Retained are archives removed from the images dir whose references stay pinned
+	// (--retain-removed-archive-images), by file name, as last loaded, until `unpin`.
+	Retained map[string]*ArchiveState `json:"retained,omitempty"`
 	Agent    AgentView                `json:"agent"`
 }
 
@@ -51,9 +54,17 @@ type AgentView struct {
 	WaitingForDisk  []string          `json:"waitingForDisk"`  // pending because the disk is full
 	ArchiveErrors   map[string]string `json:"archiveErrors"`   // file -> error
 	StateError      string            `json:"stateError,omitempty"`
+	// Fetches (--fetch-missing-images): done and failed attempts, the references waiting for
+	// one, and the last error of each that failed.
+	FetchesDone    int               `json:"fetchesDone,omitempty"`
+	FetchesFailed  int               `json:"fetchesFailed,omitempty"`
+	FetchesPending []string          `json:"fetchesPending,omitempty"`
+	FetchErrors    map[string]string `json:"fetchErrors,omitempty"` // reference -> error
 }
 
-func newState() *State { return &State{Version: stateVersion, Archives: map[string]*ArchiveState{}} }
+func newState() *State {
+	return &State{Version: stateVersion, Archives: map[string]*ArchiveState{}, Retained: map[string]*ArchiveState{}}
+}
 
 // LoadState reads path. A missing file is an empty state; a corrupt or foreign one is an empty
 // state and an error to log: the next sync re-indexes, and every pin is still in containerd.
@@ -74,6 +85,9 @@ func LoadState(path string) (*State, error) {
 	}
 	if s.Archives == nil {
 		s.Archives = map[string]*ArchiveState{}
+	}
+	if s.Retained == nil {
+		s.Retained = map[string]*ArchiveState{}
 	}
 	return s, nil
 }

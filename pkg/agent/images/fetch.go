@@ -1,0 +1,244 @@
+package images
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/images"
+	"github.com/opencontainers/go-digest"
+	"github.com/sirupsen/logrus"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+)
+
+// Fetching (--fetch-missing-images): a wanted reference that is missing and that no archive of
+// the images dir provides is pulled through the CRI by its digest, so that registries.yaml
+// mirrors, credentials and k3s's embedded registry (spegel: the cluster's other nodes) apply, as
+// for .txt lists. Never by a tag: a tag may point elsewhere by now. The pulled image is then
+// pinned under every wanted name, each created pinned.
+const (
+	// fetchConcurrency bounds the pulls in flight: each takes disk and network a node also needs
+	// for its pods.
+	fetchConcurrency = 2
+	// fetchTimeout bounds one pull: a peer that stops answering must not hold a slot for ever.
+	fetchTimeout = 10 * time.Minute
+)
+
+// pendingFetch is one image to fetch: the repo@digest pulled, and the wanted references it
+// brings back.
+type pendingFetch struct {
+	pull     string
+	digest   digest.Digest
+	refs     map[string]bool
+	retryAt  time.Time
+	backoff  time.Duration
+	noSpace  bool // the last attempt was not started: the image filesystem is above the threshold
+	inFlight bool
+}
+
+// fetchResult is what one pull ended with.
+type fetchResult struct {
+	pull   string
+	target images.Image // the pulled repo@digest record
+	err    error
+	took   time.Duration
+}
+
+// fetchFrom says where a missing ref comes back from when no archive provides it: "a fetch" when
+// one is on and a digest is known for it, else "" (lost).
+func (a *Agent) fetchFrom(ref string) string {
+	if _, ok := a.plan.Fetchable(ref); ok && a.cfg.Fetch && a.cd.CRI != nil {
+		return "a fetch"
+	}
+	return ""
+}
+
+// scheduleFetches adds every missing reference that can be fetched to pending.
+func (a *Agent) scheduleFetches(pending map[string]*pendingFetch) {
+	if !a.cfg.Fetch || a.cd.CRI == nil || pending == nil {
+		return
+	}
+	for _, ref := range slices.Sorted(maps.Keys(a.track.missing)) {
+		d, ok := a.plan.Fetchable(ref)
+		if !ok {
+			continue
+		}
+		pull := digestRef(ref, d)
+		if pull == "" {
+			continue
+		}
+		p := pending[pull]
+		if p == nil {
+			p = &pendingFetch{pull: pull, digest: d, refs: map[string]bool{}, backoff: retryMin, retryAt: time.Now()}
+			pending[pull] = p
+		}
+		p.refs[ref] = true
+	}
+}
+
+// startFetches starts the pulls that are due, up to fetchConcurrency in flight, each reporting to
+// results; it returns how long until the next one is due (0: none waiting). No pull starts while
+// the image filesystem is used above the threshold.
+func (a *Agent) startFetches(ctx context.Context, pending map[string]*pendingFetch, results chan<- fetchResult, running func(func())) time.Duration {
+	inFlight := 0
+	for _, p := range pending {
+		if p.inFlight {
+			inFlight++
+		}
+	}
+	now := time.Now()
+	var next time.Duration
+	for _, pull := range slices.Sorted(maps.Keys(pending)) {
+		p := pending[pull]
+		if p.inFlight {
+			continue
+		}
+		if wait := p.retryAt.Sub(now); wait > 0 || inFlight >= fetchConcurrency {
+			if wait <= 0 {
+				wait = retryMin // a slot frees up when a pull ends; look again then at the latest
+			}
+			if next == 0 || wait < next {
+				next = wait
+			}
+			continue
+		}
+		if full, err := a.fetchRoom(ctx); err != nil {
+			a.fetchFailed(p, err, full)
+			if next == 0 || p.backoff < next {
+				next = p.backoff
+			}
+			continue
+		}
+		p.inFlight, p.noSpace = true, false
+		inFlight++
+		running(func() {
+			start := time.Now()
+			pctx, cancel := context.WithTimeout(ctx, fetchTimeout)
+			defer cancel()
+			res := fetchResult{pull: p.pull}
+			_, res.err = a.cd.CRI.PullImage(pctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: p.pull}})
+			if res.err == nil {
+				res.target, res.err = a.cd.Images.Get(ctx, p.pull)
+			}
+			if res.err == nil && res.target.Target.Digest != p.digest {
+				res.err = fmt.Errorf("pulled %s, want %s", res.target.Target.Digest, p.digest)
+			}
+			res.took = time.Since(start)
+			results <- res
+		})
+	}
+	return next
+}
+
+// fetchRoom is nil when the image filesystem has room for a fetch: used at most
+// FetchMaxDiskUsage percent, as the kubelet's image GC high threshold measures it; full says the
+// threshold is what holds the fetch back.
+func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
+	limit := a.cfg.FetchMaxDiskUsage
+	if limit <= 0 {
+		limit = DefaultFetchMaxDiskUsage
+	}
+	usage := a.cfg.ImagefsUsage
+	if usage == nil {
+		usage = a.criImagefsUsage
+	}
+	percent, path, err := usage(ctx)
+	if err != nil {
+		return false, fmt.Errorf("image filesystem usage unknown, not fetching: %w", err)
+	}
+	if percent > float64(limit) {
+		return true, fmt.Errorf("image filesystem %s is %.0f%% used, above --%s %d%%: not fetching until it is below", path, percent, FlagFetchMaxDiskUsage, limit)
+	}
+	return false, nil
+}
+
+// criImagefsUsage is the CRI's image filesystem (ImageFsInfo's mount point), measured by statfs.
+func (a *Agent) criImagefsUsage(ctx context.Context) (float64, string, error) {
+	resp, err := a.cd.CRI.ImageFsInfo(ctx, &runtimeapi.ImageFsInfoRequest{})
+	if err != nil {
+		return 0, "", fmt.Errorf("CRI ImageFsInfo: %w", err)
+	}
+	var worst float64
+	var where string
+	for _, fs := range resp.GetImageFilesystems() {
+		path := fs.GetFsId().GetMountpoint()
+		percent, err := fsUsage(path)
+		if err != nil {
+			return 0, path, fmt.Errorf("statfs %s: %w", path, err)
+		}
+		if where == "" || percent > worst {
+			worst, where = percent, path
+		}
+	}
+	if where == "" {
+		return 0, "", errors.New("the CRI reports no image filesystem")
+	}
+	return worst, where, nil
+}
+
+// fetchFailed records a failed or held-back fetch (noSpace: held back by the disk threshold): an
+// Event naming the image and the reason, and a retry with backoff.
+func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
+	p.noSpace = noSpace || isNoSpace(err)
+	p.retryAt = time.Now().Add(p.backoff)
+	a.state.Agent.FetchesFailed++
+	if a.state.Agent.FetchErrors == nil {
+		a.state.Agent.FetchErrors = map[string]string{}
+	}
+	refs := firstFew(slices.Sorted(maps.Keys(p.refs)))
+	for ref := range p.refs {
+		a.state.Agent.FetchErrors[ref] = err.Error()
+	}
+	logrus.Errorf("fetch %s (%s) failed, retrying in %s: %v", p.pull, refs, p.backoff, err)
+	a.event(true, ReasonImageFetchFailed, "fetching %s by digest %s failed, retrying in %s: %v", refs, p.digest, p.backoff, err)
+	p.backoff = min(2*p.backoff, retryMax)
+	a.saveState() // status and doctor, in other processes, show what is waiting
+}
+
+// fetched pins what a pull brought back under every wanted name, each created pinned, or records
+// its failure.
+func (a *Agent) fetched(ctx context.Context, res fetchResult, pending map[string]*pendingFetch) {
+	p := pending[res.pull]
+	if p == nil {
+		return
+	}
+	p.inFlight = false
+	if res.err != nil {
+		a.fetchFailed(p, res.err, false)
+		return
+	}
+	var errs []error
+	for _, ref := range slices.Sorted(maps.Keys(p.refs)) {
+		source, wanted := a.plan.Source(images.Image{Name: ref, Target: res.target.Target})
+		if !wanted {
+			continue // no longer wanted since it was scheduled: the image is left unpinned
+		}
+		var err error
+		if ref == res.pull {
+			_, err = a.pinner.Pin(ctx, ref, source)
+		} else {
+			_, err = a.pinner.Put(ctx, images.Image{Name: ref, Target: res.target.Target}, source)
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		a.trackCreated(ref)
+		delete(a.state.Agent.FetchErrors, ref)
+	}
+	if err := errors.Join(errs...); err != nil {
+		a.fetchFailed(p, err, false)
+		return
+	}
+	delete(pending, res.pull)
+	a.state.Agent.FetchesDone++
+	took := res.took.Round(time.Millisecond)
+	refs := firstFew(slices.Sorted(maps.Keys(p.refs)))
+	logrus.Infof("fetched %s by digest %s in %s, pinned", refs, p.digest, took)
+	a.event(false, ReasonImageFetched, "fetched %s by digest %s in %s through the CRI, pinned", refs, p.digest, took)
+	a.saveState()
+	a.requestSync() // the kubelet's keep-set learns the new image's ID
+}

@@ -1,0 +1,232 @@
+package images_test
+
+import (
+	"context"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// peer is a registry on loopback standing in for the cluster's other nodes (k3s's embedded
+// registry serves what their containerd holds, by digest, as a registry does).
+type peer struct {
+	host string
+}
+
+func newPeer(t *testing.T) *peer {
+	t.Helper()
+	reg := httptest.NewServer(registry.New())
+	t.Cleanup(reg.Close)
+	return &peer{host: strings.TrimPrefix(reg.URL, "http://")}
+}
+
+// push puts a random image under repo:tag and returns it with its repo@digest reference.
+func (p *peer) push(t *testing.T, repoTag string, img v1.Image) (ref, byDigest string) {
+	t.Helper()
+	ref = p.host + "/" + repoTag
+	tag, err := name.NewTag(ref, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(tag, img); err != nil {
+		t.Fatal(err)
+	}
+	d, err := img.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ref, tag.Context().Name() + "@" + d.String()
+}
+
+// TestFetchMissingImagesByDigest: an image the policy names by digest that this node never
+// imported is pulled through the CRI by that digest and pinned, and again after the CRI deletes
+// it; an unreachable one is an ImageFetchFailed Event naming it, retried with backoff and shown in
+// the agent's view; no fetch starts while the image filesystem is above --fetch-max-disk-usage.
+func TestFetchMissingImagesByDigest(t *testing.T) {
+	n := newNode(t)
+	p := newPeer(t)
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, shared := p.push(t, "team/shared:1.0", img)
+	unreachable := "127.0.0.1:1/team/gone@sha256:" + strings.Repeat("ab", 32)
+	policy, err := agentimages.PolicyValues{PinnedImages: []string{shared, unreachable}}.Policy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{}
+	// The real measure (the CRI's image filesystem, statfs), with a limit nothing reaches.
+	a := n.runWith(agentimages.PolicyValues{FetchMissingImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{Policy: policy, Reporter: rec}))
+	took := n.await(30*time.Second, shared+" fetched and pinned", func() bool { return n.pinnedLabel(shared) })
+	t.Logf("fetched by digest and pinned in %s", took)
+	if present, pinned := n.criPinned(shared); !present || !pinned {
+		t.Fatalf("%s: present=%t pinned=%t in the CRI", shared, present, pinned)
+	}
+	if src := n.labels(shared)[pinning.LabelSource]; src != pinning.SourcePolicy {
+		t.Errorf("%s: source %q, want %s", shared, src, pinning.SourcePolicy)
+	}
+	if _, ok := rec.event(agentimages.ReasonImageFetched, shared); !ok {
+		t.Errorf("no %s Event naming %s: %+v", agentimages.ReasonImageFetched, shared, rec.events)
+	}
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: shared}}); err != nil {
+		t.Fatal(err)
+	}
+	n.await(30*time.Second, shared+" fetched again after CRI RemoveImage", func() bool { return n.pinnedLabel(shared) })
+	n.await(10*time.Second, "two ImageFetched Events", func() bool { return rec.count(agentimages.ReasonImageFetched) >= 2 })
+
+	// The unreachable one: failed, named, retried (1 s, then 2 s), in the view; never lost.
+	n.await(10*time.Second, "two failed fetches of "+unreachable, func() bool { return a.View().FetchesFailed >= 2 })
+	if _, ok := rec.event(agentimages.ReasonImageFetchFailed, "127.0.0.1:1/team/gone"); !ok {
+		t.Errorf("no %s Event naming the unreachable image: %+v", agentimages.ReasonImageFetchFailed, rec.events)
+	}
+	view := a.View()
+	if msg := view.FetchErrors[unreachable]; msg == "" {
+		t.Errorf("the view has no fetch error for %s: %+v", unreachable, view.FetchErrors)
+	}
+	if !slices.Contains(view.FetchesPending, unreachable) {
+		t.Errorf("the view does not show %s as pending: %v", unreachable, view.FetchesPending)
+	}
+	if _, ok := rec.event(agentimages.ReasonImageLost, "gone"); ok {
+		t.Error("an image that can be fetched was reported lost")
+	}
+	if last, _ := rec.last(); !slices.Contains(last.Missing, unreachable) {
+		t.Errorf("the node's protection does not list %s as missing: %+v", unreachable, last)
+	}
+}
+
+// TestFetchWaitsBelowTheDiskThreshold: above --fetch-max-disk-usage no pull starts (the view
+// shows the reference waiting for disk); once the image filesystem is below it, the image is
+// fetched.
+func TestFetchWaitsBelowTheDiskThreshold(t *testing.T) {
+	n := newNode(t)
+	p := newPeer(t)
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, shared := p.push(t, "team/later:1.0", img)
+	policy, err := agentimages.PolicyValues{PinnedImages: []string{shared}}.Policy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var used atomic.Int64
+	used.Store(91)
+	var asked atomic.Int64
+	rec := &recorder{}
+	cfg := agentimages.PolicyValues{FetchMissingImages: true}.AgentConfig(agentimages.Config{Policy: policy, Reporter: rec,
+		ImagefsUsage: func(context.Context) (float64, string, error) {
+			asked.Add(1)
+			return float64(used.Load()), "/imagefs", nil
+		}})
+	a := n.runWith(cfg)
+	n.await(10*time.Second, "the fetch held back at 91%", func() bool { return slices.Contains(a.View().WaitingForDisk, shared) })
+	if e, ok := rec.event(agentimages.ReasonImageFetchFailed, "above --"+agentimages.FlagFetchMaxDiskUsage+" 85%"); !ok {
+		t.Errorf("no %s Event saying the threshold: %+v", agentimages.ReasonImageFetchFailed, rec.events)
+	} else {
+		t.Logf("event: %s", e.Message)
+	}
+	time.Sleep(2 * time.Second)
+	if n.target(shared) != "" {
+		t.Fatalf("%s was pulled while the image filesystem was above the threshold", shared)
+	}
+	used.Store(40)
+	n.await(30*time.Second, shared+" fetched once below the threshold", func() bool { return n.pinnedLabel(shared) })
+	if asked.Load() < 2 {
+		t.Errorf("the usage was asked %d time(s)", asked.Load())
+	}
+}
+
+// TestRetainedArchiveStaysPinnedAndIsFetched (--retain-removed-archive-images): an archive
+// removed from the images dir leaves its images pinned, shown as retained; one deleted is fetched
+// by its recorded digest and its tag made again, pinned; `unpin` lets it go for good.
+func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
+	n := newNode(t)
+	p := newPeer(t)
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag, byDigest := p.push(t, "team/kept:1.0", img)
+	// An OCI archive keeps the image's digest (what the peer serves); a docker archive's is known
+	// once imported, and a peer that imported the same archive serves that one.
+	archive := filepath.Join(n.imagesDir, "kept.tar")
+	if err := imagetest.WriteOCI(archive, map[string]any{tag: img}); err != nil {
+		t.Fatal(err)
+	}
+	state := filepath.Join(t.TempDir(), "state.json")
+	rec := &recorder{}
+	cfg := agentimages.PolicyValues{FetchMissingImages: true, RetainRemovedArchiveImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{StateFile: state, Reporter: rec})
+	a := n.runWith(cfg)
+	n.await(10*time.Second, tag+" imported and pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
+	if err := os.Remove(archive); err != nil {
+		t.Fatal(err)
+	}
+	n.await(10*time.Second, "kept.tar retained in the state file", func() bool {
+		s, _ := agentimages.LoadState(state)
+		return s.Retained["kept.tar"] != nil && s.Archives["kept.tar"] == nil
+	})
+	for _, ref := range []string{tag, byDigest} {
+		if present, pinned := n.criPinned(ref); !present || !pinned {
+			t.Errorf("%s after its archive was removed: present=%t pinned=%t", ref, present, pinned)
+		}
+	}
+	snap, err := a.Inspect(n.ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range snap.Refs {
+		if r.Ref == tag && (!r.Retained || !r.Wanted || r.Source != "kept.tar") {
+			t.Errorf("status row of %s: %+v, want retained, wanted, source kept.tar", tag, r)
+		}
+	}
+	// Deleted: no archive to restore from, fetched by the recorded digest; the tag made again.
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: tag}}); err != nil {
+		t.Fatal(err)
+	}
+	n.await(30*time.Second, tag+" back by a fetch, pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
+	if got, want := n.target(tag), n.target(byDigest); got != want {
+		t.Errorf("%s points at %s, %s at %s", tag, got, byDigest, want)
+	}
+	if d, _ := img.Digest(); n.target(tag) != d.String() {
+		t.Errorf("%s points at %s, recorded %s", tag, n.target(tag), d)
+	}
+	if src := n.labels(tag)[pinning.LabelSource]; src != "kept.tar" {
+		t.Errorf("%s: source %q after the fetch, want kept.tar", tag, src)
+	}
+	if _, ok := rec.event(agentimages.ReasonImageLost, tag); ok {
+		t.Errorf("%s reported lost although it can be fetched", tag)
+	}
+	// `k3s-pinning unpin`, another process on the same state file: the tag and the digest
+	// reference go, the archive is forgotten, and the running agent pins nothing again, neither
+	// on the unpin's events nor at its next sync, nor writes the record back.
+	cli := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: state})
+	if _, err := cli.UnpinManual(n.ctx, tag); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // the running agent sees the unpin's events
+	a.Sync(n.ctx)
+	for _, ref := range []string{tag, byDigest} {
+		if n.pinnedLabel(ref) {
+			t.Errorf("%s still pinned after unpin", ref)
+		}
+	}
+	if s, _ := agentimages.LoadState(state); s.Retained["kept.tar"] != nil {
+		t.Errorf("kept.tar still retained after unpin: %+v", s.Retained["kept.tar"])
+	}
+}
