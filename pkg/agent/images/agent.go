@@ -126,6 +126,8 @@ type Agent struct {
 	// repo@digest pulled (nil outside Run).
 	toRestore map[string]*pendingRestore
 	toFetch   map[string]*pendingFetch
+	// retainedSeen are the retained references as the state file last had them (reloadRetained).
+	retainedSeen map[string]map[string]bool
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -143,6 +145,7 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 	}
 	// Before the first reconcile, every archive recorded is taken as present, so that a kubelet
 	// starting beside the agent never sees a gap.
+	a.noteRetained()
 	a.present, a.read = slices.Collect(maps.Keys(a.state.Archives)), map[string]*airgap.Index{}
 	a.plan = a.newPlan(a.present, a.read)
 	a.keeper.publish(a.plan, nil)
@@ -178,6 +181,7 @@ func (a *Agent) saveState() {
 	if a.cfg.StateFile == "" {
 		return
 	}
+	a.reloadRetained() // an unpin by another process since the last save is not written back
 	a.state.Agent.StateError = ""
 	if err := a.state.Save(a.cfg.StateFile); err != nil {
 		a.state.Agent.StateError = err.Error()
@@ -657,7 +661,12 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 		return "", err
 	}
 	// A retained archive's image is kept until it is unpinned: every name the archive gave it
-	// goes with the one named, so that nothing pins it again.
+	// goes with the one named, so that nothing pins it again. The file is read again first: the
+	// running agent may have retained more since this process started.
+	if fresh, err := LoadState(a.cfg.StateFile); a.cfg.StateFile != "" && err == nil {
+		a.state.Retained = fresh.Retained
+		a.noteRetained()
+	}
 	for _, name := range a.dropRetained(img.Name) {
 		if name == img.Name {
 			continue
@@ -671,15 +680,41 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 	return a.newPlan(sv.present, sv.read).Heir(img, pinning.SourceManual), nil
 }
 
-// reloadRetained takes the retained archives from the state file, where `k3s-pinning unpin`, run
-// as another process beside this agent, drops them. Only when this agent's last save succeeded:
-// otherwise the file is older than what it holds in memory.
+// reloadRetained applies what `k3s-pinning unpin`, run as another process beside this agent,
+// dropped from the retained archives in the state file since this agent last read or wrote it: a
+// reference this agent saw there and the file no longer holds is dropped; what it retained since
+// stays. Only when this agent's last save succeeded: otherwise the file is older than its memory.
 func (a *Agent) reloadRetained() {
 	if a.cfg.StateFile == "" || a.state.Agent.StateError != "" {
 		return
 	}
-	if s, err := LoadState(a.cfg.StateFile); err == nil {
-		a.state.Retained = s.Retained
+	s, err := LoadState(a.cfg.StateFile)
+	if err != nil {
+		return
+	}
+	for name, rec := range a.state.Retained {
+		onFile := s.Retained[name]
+		for ref := range rec.Refs {
+			if a.retainedSeen[name][ref] && (onFile == nil || onFile.Refs[ref] == "") {
+				delete(rec.Refs, ref)
+			}
+		}
+		rec.Images = slices.DeleteFunc(rec.Images, func(img airgap.IndexedImage) bool { _, kept := rec.Refs[img.Ref]; return !kept })
+		if len(rec.Refs) == 0 {
+			delete(a.state.Retained, name)
+		}
+	}
+	a.noteRetained()
+}
+
+// noteRetained records the retained references as the state file has them now.
+func (a *Agent) noteRetained() {
+	a.retainedSeen = map[string]map[string]bool{}
+	for name, rec := range a.state.Retained {
+		a.retainedSeen[name] = map[string]bool{}
+		for ref := range rec.Refs {
+			a.retainedSeen[name][ref] = true
+		}
 	}
 }
 
