@@ -46,16 +46,18 @@ func (e *PolicyError) Unwrap() error { return e.Err }
 // variable as one value (it disables urfave/cli's splitting), and no image name has a comma.
 func NewPolicy(patterns, labelSelectors []string) (*Policy, error) {
 	p := &Policy{}
-	var split []string
-	for _, s := range patterns {
-		split = append(split, strings.Split(s, ",")...)
-	}
-	for _, s := range split {
-		pat, err := parsePattern(s)
-		if err != nil {
-			return nil, &PolicyError{Value: s, Err: err}
+	for _, value := range patterns {
+		parts := strings.Split(value, ",")
+		for _, s := range parts {
+			pat, err := parsePattern(s)
+			if err != nil {
+				if len(parts) > 1 {
+					err = fmt.Errorf("%q: %w", s, err) // the value stays what the user gave
+				}
+				return nil, &PolicyError{Value: value, Err: err}
+			}
+			p.patterns = append(p.patterns, pat)
 		}
-		p.patterns = append(p.patterns, pat)
 	}
 	for _, s := range labelSelectors {
 		sel, err := parseLabelSelector(s)
