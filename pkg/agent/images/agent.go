@@ -685,7 +685,9 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 // reference this agent saw there and the file no longer holds is dropped; what it retained since
 // stays. Only when this agent's last save succeeded: otherwise the file is older than its memory.
 func (a *Agent) reloadRetained() {
-	if a.cfg.StateFile == "" || a.state.Agent.StateError != "" {
+	// Nothing retained here, nothing another process could have dropped: no read of the file
+	// (the start-up sync and every save of a node that never retained anything).
+	if a.cfg.StateFile == "" || a.state.Agent.StateError != "" || len(a.state.Retained) == 0 {
 		return
 	}
 	s, err := LoadState(a.cfg.StateFile)
