@@ -180,9 +180,14 @@ func Run(ctx context.Context, opts Options, log io.Writer) (*Result, error) {
 	}
 
 	cri := runtimeapi.NewImageServiceClient(client.Conn().(*grpc.ClientConn))
-	// The CRI's view of labels follows the metadata store by a moment; let it settle, as the
-	// kubelet would see it minutes after start-up.
-	before, err := settledImages(ctx, cri)
+	// The CRI's view follows the metadata store by a moment (it learns of an import and of a
+	// label from containerd's events); let it settle, as the kubelet would see it minutes after
+	// start-up.
+	imported := make([]string, 0, len(from))
+	for r := range from {
+		imported = append(imported, r)
+	}
+	before, err := settledImages(ctx, cri, imported)
 	if err != nil {
 		return nil, err
 	}
@@ -276,24 +281,37 @@ func listImages(ctx context.Context, cri runtimeapi.ImageServiceClient) ([]*runt
 	return resp.Images, nil
 }
 
-// settledImages lists images once two lists a moment apart agree on every pinned flag.
-func settledImages(ctx context.Context, cri runtimeapi.ImageServiceClient) ([]*runtimeapi.Image, error) {
+// settledImages lists images once the CRI lists every imported reference and two lists a
+// moment apart agree on every pinned flag, or after 30 s with what it lists then (the caller
+// reports a reference still missing as never imported). On a loaded 2-core CI machine the
+// CRI listed the last archive imported by ctr only after the first two lists agreed.
+func settledImages(ctx context.Context, cri runtimeapi.ImageServiceClient, imported []string) ([]*runtimeapi.Image, error) {
 	prev, err := listImages(ctx, cri)
 	if err != nil {
 		return nil, err
 	}
-	for i := 0; i < 20; i++ {
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
 		time.Sleep(100 * time.Millisecond)
 		cur, err := listImages(ctx, cri)
 		if err != nil {
 			return nil, err
 		}
-		if pinnedSet(cur) == pinnedSet(prev) {
+		if pinnedSet(cur) == pinnedSet(prev) && listsAll(cur, imported) {
 			return cur, nil
 		}
 		prev = cur
 	}
 	return prev, nil
+}
+
+func listsAll(imgs []*runtimeapi.Image, refs []string) bool {
+	for _, r := range refs {
+		if findTag(imgs, r) == nil {
+			return false
+		}
+	}
+	return true
 }
 
 func pinnedSet(imgs []*runtimeapi.Image) string {
