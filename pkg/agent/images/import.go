@@ -53,6 +53,13 @@ type RefResult struct {
 // pinned. A list pulls, through the CRI, what is not present. imported says whether content was
 // imported or pulled.
 func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnapshot, owner func(ref string) string) (refs []RefResult, imported bool, err error) {
+	// containerd's content client leaves the stream of each blob it writes open after the commit
+	// (its Close only half-closes it), and gRPC keeps a goroutine and the stream's buffers for
+	// every such stream until its context ends. Under k3s that context is the agent's, which never
+	// ends: a cold load of 10,000 references left tens of thousands of them. The archive's own
+	// context ends them when its load returns.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	if idx.Format == airgap.ImageList {
 		snap.wrote() // pulls and pins through the CRI, which the snapshot does not see
 		return im.pullList(ctx, idx)

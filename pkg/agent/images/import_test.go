@@ -1,9 +1,12 @@
 package images_test
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"runtime/pprof"
 	"strings"
 	"testing"
 	"time"
@@ -385,4 +388,52 @@ func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
 			t.Errorf("touched archive: imported=%t, %s %s", report.Archives[0].Imported, r.Ref, r.Result)
 		}
 	}
+}
+
+// TestImportLeavesNoStreamsOpen: a load gives back every gRPC stream it opened. containerd's
+// content client leaves each written blob's stream open until its context ends, and gRPC keeps a
+// goroutine and the stream's buffers for each; inside k3s the agent's context never ends, so a
+// cold load of 10,000 references kept tens of thousands of them for the life of the process.
+// The goroutines of this test process come back to where they were before the load.
+func TestImportLeavesNoStreamsOpen(t *testing.T) {
+	n := newNode(t)
+	for i, oci := range []bool{false, true, false, true} {
+		writeArchive(t, n.imagesDir, archiveCase{file: fmt.Sprintf("a%d.tar", i), oci: oci,
+			refs: []string{fmt.Sprintf("streams.example/a%d:1", i), fmt.Sprintf("streams.example/a%d:2", i), fmt.Sprintf("streams.example/a%d:3", i)}})
+	}
+	if _, err := n.client.Version(n.ctx); err != nil { // the connection's own goroutines, started
+		t.Fatal(err)
+	}
+	before := runtime.NumGoroutine()
+	report := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir}).Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatal(err)
+	}
+	imported := 0
+	for _, a := range report.Archives {
+		if a.Imported {
+			imported++
+		}
+	}
+	if imported != 4 {
+		t.Fatalf("%d of 4 archives imported", imported)
+	}
+	var after int
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if after = runtime.NumGoroutine(); after <= before+2 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if after > before+2 {
+		var stacks strings.Builder
+		pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+		t.Errorf("%d goroutines before the load of 4 archives (12 images), %d after it:\n%s", before, after, firstBytes(stacks.String(), 3000))
+	}
+}
+
+func firstBytes(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "\n..."
+	}
+	return s
 }
