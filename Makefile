@@ -53,11 +53,15 @@ e2e:
 	bash scripts/e2e.sh
 
 ## bench: every cost against its baseline in the same run (real containerd, the kubelet's GC),
-## one table; BENCH_FLAGS=-h for the sizes; then the fleet row on make cluster-e2e's cluster (a
-## 51 MiB image to two peers through k3s's embedded registry, against ctr images import) (root)
+## one table; BENCH_FLAGS=-h for the sizes; then the k3s section (scripts/k3s-bench.sh: k3s with
+## k3s-pinning against --disable-image-pinning on one node, cold boot, warm restarts, memory, and
+## the sizes against the same k3s built without k3s-pinning; K3S_BENCH_SETS, K3S_BENCH_ROUNDS);
+## then the fleet row on make cluster-e2e's cluster (a 51 MiB image to two peers through k3s's
+## embedded registry, against ctr images import) (root)
 bench:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
+	bash scripts/k3s-bench.sh
 	K3S_FLEET_BENCH=1 CLUSTER_E2E_RUN='^TestFleetBench$$' bash scripts/cluster-e2e.sh
 
 ## soak: the randomized soak (real containerd on a tmpfs, the kubelet's DeleteUnusedImages, 13

@@ -116,11 +116,12 @@ unpack() { # archive-name dest: the archive in ../shared/k3s-src or its current/
   tar -xzf "$archive" -C "$2" --strip-components=1
 }
 moddir() { go mod download -json "$1@$2" | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or ""); sys.exit(1 if d.get("Error") else 0)' || die "the module proxy does not serve $1@$2"; }
-# kubernetes_copy version-dir: a writable copy of a k8s.io/kubernetes tree with the kubelet's GC filter.
+# kubernetes_copy version-dir: a writable copy of a k8s.io/kubernetes tree with the kubelet's GC filter
+# (without it for K3S_WITHOUT_PINNING=1, make k3s's stock build).
 kubernetes_copy() {
   local dir=$standins/kubernetes
   rm -rf "$dir"; cp -a "$1" "$dir"; chmod -R u+w "$dir"
-  "$repo/build/apply-kubernetes-patches.sh" "$dir"
+  [ "${K3S_WITHOUT_PINNING:-}" = 1 ] || "$repo/build/apply-kubernetes-patches.sh" "$dir"
 }
 # depfix dir target version: patches/k3s-deps/<name>@<version>, when there is one, applied to dir (a
 # writable copy of that fork) and its tests run: fixes of upstream bugs that k3s-pinning's use of

@@ -23,7 +23,9 @@
 #     containerd shim from the containerd module k3s selects; k3s's multicall links beside it.
 #
 # Prints the binary's path last. K3S_BUILD_TAGS_EXTRA adds tags (no_cri_dockerd is added when an empty
-# module stands in for a refused cri-dockerd fork).
+# module stands in for a refused cri-dockerd fork). K3S_WITHOUT_PINNING=1 builds the same k3s without
+# k3s-pinning (no module, no patches/k3s series, no patches/kubernetes; into <name>-stock): make
+# bench's anchor for the size of the binary.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 die() { echo "make k3s: $*" >&2; exit 1; }
@@ -46,7 +48,8 @@ if [ -n "$source" ]; then
 else
   name=$version; offline=""
 fi
-work=${K3S_WORK:-$cache/k3s-build/$name}
+stock=""; [ "${K3S_WITHOUT_PINNING:-}" = 1 ] && stock=1 && export K3S_WITHOUT_PINNING
+work=${K3S_WORK:-$cache/k3s-build/$name${stock:+-stock}}
 src=$work/k3s
 rm -rf "$src"; mkdir -p "$work"
 if [ -n "$source" ] && [ -f "$source" ]; then
@@ -101,11 +104,19 @@ cp -a manifests/* pkg/deploy/embed/
 # newer Go raises it).
 versions() { { echo "go $(go mod edit -json | python3 -c 'import json,sys; print(json.load(sys.stdin)["Go"])')"; go list -m -e all; } > "$1" 2>"$work/go-list.err" || { cat "$work/go-list.err" >&2; die "go list -m -e all failed on the k3s tree"; }; }
 versions "$work/versions-k3s.txt"
+if [ -n "$stock" ]; then
+  cp "$work/versions-k3s.txt" "$work/versions-with-k3s-pinning.txt" # what step 5 reads
+else
 go mod edit -require=github.com/k3s-pinning/k3s-pinning@v0.0.0 -replace=github.com/k3s-pinning/k3s-pinning="$repo"
 versions "$work/versions-with-k3s-pinning.txt"
 "$repo/build/k3s-versions-check.sh" "$work/versions-k3s.txt" "$work/versions-with-k3s-pinning.txt"
+fi
 
 # 4. Our series: the first (newest line first) that applies.
+tags="ctrd netcgo osusergo providerless urfave_cli_no_docs sqlite_omit_load_extension apparmor seccomp $tags_extra"
+if [ -n "$stock" ]; then
+  echo "== K3S_WITHOUT_PINNING=1: k3s as given, without k3s-pinning"
+else
 chosen=""
 for dir in $(ls -d "$repo"/patches/k3s/*/ | sort -r); do
   [ -f "$dir/SERIES" ] || continue
@@ -117,17 +128,17 @@ before_series=$(git rev-parse HEAD)
 git am --quiet "$chosen"/*.patch
 # Every Go file the series touches must be compiled into the binary k3s ships (./cmd/server; the
 # agent and every other command are links to it): a hunk anywhere else is dead code.
-tags="ctrd netcgo osusergo providerless urfave_cli_no_docs sqlite_omit_load_extension apparmor seccomp $tags_extra"
 deps=$(go list -deps -tags "$tags" -f '{{.Dir}}' ./cmd/server)
 for f in $(git diff --name-only "$before_series" HEAD -- '*.go'); do
   grep -qx "$src/$(dirname "$f")" <<<"$deps" || die "patches/k3s/$(basename "$chosen") patches $f, which is in no package of ./cmd/server (what k3s's scripts/build compiles): dead code"
 done
+fi
 if [ -z "$offline" ]; then
   # A networked build: k3s's own forks, vendored, with patches/kubernetes on its kubelet; then k3s's
   # own scripts make the release artifacts (scripts/download fetches the bundled charts and
   # binaries, scripts/build, scripts/package-cli the self-extracting k3s).
   go mod vendor
-  "$repo/build/apply-kubernetes-patches.sh" vendor/k8s.io/kubernetes
+  [ -n "$stock" ] || "$repo/build/apply-kubernetes-patches.sh" vendor/k8s.io/kubernetes
   export GOFLAGS=-mod=vendor
   ./scripts/download
   ./scripts/build
@@ -143,6 +154,7 @@ fi
 goversion=$(go env GOVERSION)
 commit=$(git rev-parse HEAD)
 k3s_version="${k8s_version}+k3s-pinning-${commit:0:8}"
+[ -z "$stock" ] || k3s_version="${k8s_version}+stock-${commit:0:8}"
 containerd_version=$(awk '$1=="github.com/containerd/containerd/v2"{print $NF}' "$work/versions-with-k3s-pinning.txt")
 ldflags="-X github.com/k3s-io/k3s/pkg/version.Version=$k3s_version
  -X github.com/k3s-io/k3s/pkg/version.GitCommit=${commit:0:8}

@@ -3,7 +3,7 @@
 # k3s line in ../shared/k3s-src), then run a real k3s node through the scenarios of
 # test/e2e/k3s_test.go, with pinning and with --disable-image-pinning, and print their table.
 # K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s*); K3S_E2E_BIN, a bin dir
-# make k3s built, skips the build.
+# make k3s built, skips the build; K3S_E2E_TIMEOUT is go test's -timeout (30m).
 # Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +21,4 @@ if [ -z "${K3S_E2E_BIN:-}" ]; then
 fi
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
-GOWORK=$work go test -mod=vendor -count=1 -v -timeout 30m -run "${K3S_E2E_RUN:-^TestK3s}" .
+GOWORK=$work go test -mod=vendor -count=1 -v -timeout "${K3S_E2E_TIMEOUT:-30m}" -run "${K3S_E2E_RUN:-^TestK3s}" .

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make release: every artifact an operator carries to an air-gapped node, into dist/ (not
 # committed): static k3s-pinning binaries for linux/amd64, linux/arm64 and linux/arm (v7) with
-# their version, .deb and .rpm packages (nfpm), the OCI image archive for agent/images, the
+# their version, .deb and .rpm packages (nfpm), the OCI image archive for agent/images (all three
+# architectures, and one archive per architecture), the
 # DaemonSet manifest for server/manifests, the offline install script with the unit and defaults
 # it installs, and sha256sum.txt over all of them. VERSION defaults to git describe.
 set -euo pipefail
@@ -41,6 +42,11 @@ for arch in amd64 arm64 arm; do
 done
 rm dist/.k3s-pinning.service.usr-bin dist/.nfpm.yaml
 go run ./build/release-image -ref "$image" -version "$version" -out dist/k3s-pinning-image.tar "${images[@]}"
+# One archive per architecture as well, as k3s ships its own air-gap images: a node carries only
+# its own (about a third of the size).
+for arch in amd64 arm64 arm; do
+  go run ./build/release-image -ref "$image" -version "$version" -out "dist/k3s-pinning-image-$arch.tar" "${platform[$arch]}=dist/k3s-pinning-linux-$arch"
+done
 sed "s#__IMAGE__#$image#" deploy/k3s-pinning.yaml > dist/k3s-pinning.yaml
 cp deploy/install.sh deploy/k3s-pinning.service deploy/k3s-pinning.default deploy/k3s-pinning-workloads.yaml dist/
 (cd dist && sha256sum -- * > sha256sum.txt)

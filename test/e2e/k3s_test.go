@@ -120,6 +120,19 @@ type k3sNode struct {
 
 func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
 	t.Helper()
+	n := newK3sHost(t, bin, withPinning, k3sImagefsSize)
+	n.hand = n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(n.dir, "hand"), testBinary(t, "sleeper"))
+	// k3s keeps its import cache across restarts once this file exists (k3s issue 14265).
+	if err := os.WriteFile(filepath.Join(n.imagesDir, ".cache.json"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// newK3sHost is a k3s node's dirs, its imagefs of imagefsSize bytes mounted, k3s's containerd
+// template and the kubelet drop-in written, and nothing in agent/images yet.
+func newK3sHost(t *testing.T, bin string, withPinning bool, imagefsSize int64) *k3sNode {
+	t.Helper()
 	requireTools(t)
 	if conn, err := os.Stat(k3sContainerdSocket); err == nil && conn.Mode()&os.ModeSocket != 0 {
 		if out, _ := exec.Command("pgrep", "-f", "k3s server").Output(); len(out) > 0 {
@@ -143,12 +156,7 @@ func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
 		return exec.Command(filepath.Join(n.bin, "kubectl"), append([]string{"--kubeconfig", filepath.Join(n.dir, "kubeconfig")}, args...)...)
 	}}
 	t.Cleanup(func() { n.cleanup(created) })
-	n.mountImagefs(k3sImagefsSize)
-	n.hand = n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(dir, "hand"), testBinary(t, "sleeper"))
-	// k3s keeps its import cache across restarts once this file exists (k3s issue 14265).
-	if err := os.WriteFile(filepath.Join(n.imagesDir, ".cache.json"), nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	n.mountImagefs(imagefsSize)
 	n.writeFile(filepath.Join(data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), k3sContainerdTemplate)
 	n.writeFile(filepath.Join(data, "agent", "etc", "kubelet.conf.d", "50-k3s-pinning-e2e.conf"), fmt.Sprintf(k3sKubeletDropIn, evictionThreshold>>20))
 	return n

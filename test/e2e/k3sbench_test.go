@@ -1,0 +1,393 @@
+package e2e_test
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"text/tabwriter"
+	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+)
+
+// k3sBenchSet is one images dir of make bench's k3s section.
+type k3sBenchSet struct {
+	name     string
+	what     string // as the rows name it
+	archives int
+	perArch  int   // images per archive
+	size     int64 // bytes of random layer per image
+	imagefs  int64
+}
+
+var k3sBenchSets = []k3sBenchSet{
+	{name: "large", what: "20 archives of 51 MiB (1 GiB)", archives: 20, perArch: 1, size: 51 << 20, imagefs: 3 << 30},
+	{name: "small", what: "100 archives of 10 small images (1,000 references)", archives: 100, perArch: 10, size: 4 << 10, imagefs: 704 << 20},
+	{name: "huge", what: "1,000 archives of 10 small images (10,000 references)", archives: 1000, perArch: 10, size: 4 << 10, imagefs: 1 << 30},
+}
+
+// k3sBenchBoot is what one boot of one node measured.
+type k3sBenchBoot struct {
+	images, ready      time.Duration // cold boot: every reference present (and pinned, with k3s-pinning); the node Ready
+	rss, hwm           float64       // MiB of the k3s process after the load
+	warmCache, warmNew time.Duration // warm restart to Ready: with .cache.json, and without it
+}
+
+// TestK3sBench is make bench's k3s section: the real k3s of make k3s as a single `k3s server`
+// node (the k3s e2e's), on the same generated images dir, with k3s-pinning against the same
+// binary with --disable-image-pinning (k3s's own import: one archive at a time, .cache.json), in
+// the same run, best of K3S_BENCH_ROUNDS (2) boots of each:
+//
+//   - cold boot: from the start of `k3s server` to every agent/images reference present (and
+//     pinned, with k3s-pinning), and to the node Ready (its Ready condition posted by this start);
+//   - warm restart (SIGTERM, start again, nothing changed) to Ready, with .cache.json and without;
+//   - VmRSS and VmHWM of the k3s process 10 s after the load, with k3s-pinning minus without;
+//
+// for each set of K3S_BENCH_SETS (large,small,huge). K3S_BENCH_STOCK_BIN (a make k3s
+// K3S_WITHOUT_PINNING=1 bin dir) and K3S_BENCH_RELEASE (a dir with the release binary and image
+// archive for amd64) add the size rows. The node is Ready once k3s's kubelet reports it: no CNI
+// runs (flannel off, as in the k3s e2e); a loopback network config in a dir of the test's own lets
+// the CRI report its network ready.
+func TestK3sBench(t *testing.T) {
+	if os.Getenv("K3S_BENCH") == "" {
+		t.Skip("*** SKIPPED: K3S_BENCH is not set: make bench runs it ***")
+	}
+	bin := k3sBinDir(t)
+	rounds := 2
+	if v := os.Getenv("K3S_BENCH_ROUNDS"); v != "" {
+		var err error
+		if rounds, err = strconv.Atoi(v); err != nil || rounds < 1 {
+			t.Fatalf("K3S_BENCH_ROUNDS=%q: want a number of rounds, 1 or more", v)
+		}
+	}
+	names := strings.Split(envOr("K3S_BENCH_SETS", "large,small,huge"), ",")
+	var rows [][]string
+	rows = append(rows, k3sSizeRows(t, bin)...)
+	for _, name := range names {
+		i := slices.IndexFunc(k3sBenchSets, func(s k3sBenchSet) bool { return s.name == name })
+		if i < 0 {
+			t.Fatalf("K3S_BENCH_SETS: no set %q (large, small, huge)", name)
+		}
+		set := k3sBenchSets[i]
+		dir, refs := writeK3sBenchSet(t, set)
+		boots := map[bool][]k3sBenchBoot{}
+		for round := range rounds {
+			for _, withPinning := range []bool{true, false} {
+				t.Run(fmt.Sprintf("%s/pinning=%t/%d", set.name, withPinning, round+1), func(t *testing.T) {
+					boots[withPinning] = append(boots[withPinning], k3sBenchBootOnce(t, bin, withPinning, set, dir, refs))
+				})
+				if t.Failed() {
+					t.FailNow()
+				}
+			}
+		}
+		rows = append(rows, k3sBenchRows(set, boots[true], boots[false])...)
+	}
+	var out strings.Builder
+	tw := tabwriter.NewWriter(&out, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "FIGURE\tVALUE\tBASELINE\tRATIO\tTARGET\tMET\n")
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join(r, "\t"))
+	}
+	tw.Flush()
+	fmt.Printf("\nk3s-pinning bench, k3s section (k3s %s, best of %d boots of each)\n%s", filepath.Base(bin), rounds, out.String())
+}
+
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// writeK3sBenchSet writes set's archives once (docker and OCI archives alternating) and returns
+// their dir and every reference they provide.
+func writeK3sBenchSet(t *testing.T, set k3sBenchSet) (string, []string) {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), set.name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var refs []string
+	for a := range set.archives {
+		docker, oci := map[string]v1.Image{}, map[string]any{}
+		for i := range set.perArch {
+			img, err := imagetest.Image(set.size, imagetest.Amd64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ref := fmt.Sprintf("bench.example/%s/a%04d-img%d:1.0", set.name, a, i)
+			docker[ref], oci[ref] = img, img
+			refs = append(refs, ref)
+		}
+		path := filepath.Join(dir, fmt.Sprintf("%s-%04d.tar", set.name, a))
+		var err error
+		if a%2 == 0 {
+			err = imagetest.WriteDocker(path, docker)
+		} else {
+			err = imagetest.WriteOCI(path, oci)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Whole seconds, as a tar or an rsync without --times' nanoseconds leaves them: stock k3s
+		// records an archive's mtime in .cache.json to the second and imports again every
+		// archive whose mtime is After the recorded one, so a file with a fraction of a second in
+		// its mtime (any file written or copied here) is imported at every start, cache or not.
+		// Stock's best, the anchor of the warm restart, is with the cache working.
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		whole := st.ModTime().Truncate(time.Second)
+		if err := os.Chtimes(path, whole, whole); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir, refs
+}
+
+// k3sBenchBootOnce boots a fresh node on set (its archives linked into agent/images, an empty
+// .cache.json beside them, as k3s's own docs have it), then restarts it twice.
+func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSet, dir string, refs []string) k3sBenchBoot {
+	n := newK3sHost(t, bin, withPinning, set.imagefs)
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(n.imagesDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if err := os.Link(filepath.Join(dir, e.Name()), filepath.Join(n.imagesDir, e.Name())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cache := filepath.Join(n.imagesDir, ".cache.json")
+	if err := os.WriteFile(cache, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cni := filepath.Join(n.dir, "cni")
+	n.writeFile(filepath.Join(cni, "net.d", "10-bench.conflist"), `{"cniVersion": "1.0.0", "name": "bench", "plugins": [{"type": "loopback"}]}`+"\n")
+	n.writeFile(filepath.Join(n.data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), k3sContainerdTemplate+fmt.Sprintf(`
+[plugins.'io.containerd.cri.v1.runtime'.cni]
+  bin_dir = %q
+  conf_dir = %q
+`, filepath.Join(cni, "bin"), filepath.Join(cni, "net.d")))
+
+	var b k3sBenchBoot
+	start := n.benchStart()
+	b.images = n.await(30*time.Minute, "every reference loaded", func() bool { return n.loaded(refs) })
+	b.ready = n.awaitReady(start)
+	time.Sleep(10 * time.Second) // what the load left behind: given back, or not
+	b.rss, b.hwm = processMemory(t, n.cmd.Process.Pid)
+	t.Logf("cold boot: images %s, Ready %s, VmRSS %.1f MiB (VmHWM %.1f)", b.images.Round(time.Millisecond), b.ready.Round(time.Millisecond), b.rss, b.hwm)
+
+	n.stop()
+	start = n.benchStart()
+	b.warmCache = n.awaitReady(start)
+	n.stop()
+	if err := os.Remove(cache); err != nil {
+		t.Fatal(err)
+	}
+	start = n.benchStart()
+	b.warmNew = n.awaitReady(start)
+	if !n.loaded(refs) {
+		t.Errorf("after the restart without .cache.json, not every reference is loaded")
+	}
+	t.Logf("warm restart to Ready: %s with .cache.json, %s without; archives imported again by k3s: %d with .cache.json, %d without",
+		b.warmCache.Round(time.Millisecond), b.warmNew.Round(time.Millisecond), k3sImports(t, n.logs[1]), k3sImports(t, n.logs[2]))
+	n.stop()
+	return b
+}
+
+// k3sImports counts the archives stock k3s's import read in one start's log.
+func k3sImports(t *testing.T, log string) int {
+	data, err := os.ReadFile(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(data), "Importing images from ")
+}
+
+// benchStart starts `k3s server` with the node's arguments, and nothing else: k3s-pinning's
+// defaults, or --disable-image-pinning. It returns when k3s started.
+func (n *k3sNode) benchStart() time.Time {
+	n.t.Helper()
+	n.starts++
+	cmd := exec.Command(filepath.Join(n.bin, "k3s"), n.k3sServerArgs()...)
+	cmd.Env = append(os.Environ(), "PATH="+n.bin+":"+os.Getenv("PATH"))
+	start := time.Now()
+	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
+	n.cmd = cmd
+	n.logs = append(n.logs, n.log)
+	n.await(5*time.Minute, "containerd of k3s answering", func() bool {
+		if n.client != nil {
+			return true
+		}
+		if _, err := os.Stat(k3sContainerdSocket); err != nil {
+			return false
+		}
+		n.connect(k3sContainerdSocket)
+		return true
+	})
+	return start
+}
+
+// loaded says whether containerd holds every ref, each pinned when k3s-pinning runs; from one
+// list of the image store.
+func (n *k3sNode) loaded(refs []string) bool {
+	imgs, err := n.client.ImageService().List(n.ctx)
+	if err != nil {
+		return false
+	}
+	pinned := map[string]bool{}
+	for _, img := range imgs {
+		pinned[img.Name] = img.Labels[pinning.LabelPinned] == pinning.PinnedValue
+	}
+	for _, ref := range refs {
+		if p, ok := pinned[ref]; !ok || n.pinning && !p {
+			return false
+		}
+	}
+	return true
+}
+
+// awaitReady waits until the node is Ready by a status the kubelet of the start at start posted
+// (the Node keeps the previous run's Ready until then), and returns the time since start.
+func (n *k3sNode) awaitReady(start time.Time) time.Duration {
+	n.t.Helper()
+	since := start.Truncate(time.Second)
+	n.await(30*time.Minute, "the node Ready", func() bool {
+		out, err := n.kubectl("get", "node", k3sNodeName, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status} {.status.conditions[?(@.type=="Ready")].lastHeartbeatTime}`)
+		f := strings.Fields(out)
+		if err != nil || len(f) != 2 || f[0] != "True" {
+			return false
+		}
+		beat, err := time.Parse(time.RFC3339, f[1])
+		return err == nil && !beat.Before(since)
+	})
+	return time.Since(start)
+}
+
+// processMemory is VmRSS and VmHWM of pid in MiB.
+func processMemory(t *testing.T, pid int) (rss, hwm float64) {
+	t.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 2 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
+			kib, _ := strconv.ParseFloat(f[1], 64)
+			if f[0] == "VmRSS:" {
+				rss = kib / 1024
+			} else {
+				hwm = kib / 1024
+			}
+		}
+	}
+	return rss, hwm
+}
+
+// k3sBenchRows are the rows of set: the best boot of each side, against its targets.
+func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot) [][]string {
+	best := func(bs []k3sBenchBoot, f func(k3sBenchBoot) time.Duration) time.Duration {
+		return slices.Min(mapBoots(bs, f))
+	}
+	least := func(bs []k3sBenchBoot, f func(k3sBenchBoot) float64) float64 {
+		v := make([]float64, len(bs))
+		for i, b := range bs {
+			v[i] = f(b)
+		}
+		return slices.Min(v)
+	}
+	secs := func(d time.Duration) string { return fmt.Sprintf("%.3f s", d.Seconds()) }
+	ratio := func(a, b time.Duration) string { return fmt.Sprintf("%.3f", a.Seconds()/b.Seconds()) }
+	met := func(ok bool) string {
+		if ok {
+			return "yes"
+		}
+		return "NO"
+	}
+	images := func(b k3sBenchBoot) time.Duration { return b.images }
+	ready := func(b k3sBenchBoot) time.Duration { return b.ready }
+	warmCache := func(b k3sBenchBoot) time.Duration { return b.warmCache }
+	warmNew := func(b k3sBenchBoot) time.Duration { return b.warmNew }
+	wi, si := best(with, images), best(stock, images)
+	wr, sr := best(with, ready), best(stock, ready)
+	stockWarm := best(stock, warmCache)
+	rows := [][]string{
+		{"k3s cold boot to images loaded (pinned): " + set.what, secs(wi), secs(si) + " stock k3s", ratio(wi, si), "<= 0.5", met(wi.Seconds() <= 0.5*si.Seconds())},
+		{"k3s cold boot to node Ready: " + set.what, secs(wr), secs(sr) + " stock k3s", ratio(wr, sr), "-", "-"},
+	}
+	for _, w := range []struct {
+		what string
+		f    func(k3sBenchBoot) time.Duration
+	}{{"with .cache.json", warmCache}, {"without .cache.json", warmNew}} {
+		ws, ss := best(with, w.f), best(stock, w.f)
+		rows = append(rows, []string{"k3s warm restart to Ready, " + w.what + ": " + set.what, secs(ws), secs(ss) + " stock k3s (its best with .cache.json " + secs(stockWarm) + ")",
+			ratio(ws, stockWarm), "<= stock's best", met(ws <= stockWarm)})
+	}
+	rss := least(with, func(b k3sBenchBoot) float64 { return b.rss }) - least(stock, func(b k3sBenchBoot) float64 { return b.rss })
+	hwm := least(with, func(b k3sBenchBoot) float64 { return b.hwm }) - least(stock, func(b k3sBenchBoot) float64 { return b.hwm })
+	rows = append(rows,
+		[]string{"k3s memory added after the load (VmRSS, with minus stock): " + set.what, fmt.Sprintf("%+.1f MiB", rss),
+			fmt.Sprintf("%.1f MiB stock k3s", least(stock, func(b k3sBenchBoot) float64 { return b.rss })), "-", "<= 32 MiB", met(rss <= 32)},
+		[]string{"k3s peak memory added by the load (VmHWM, with minus stock): " + set.what, fmt.Sprintf("%+.1f MiB", hwm),
+			fmt.Sprintf("%.1f MiB stock k3s", least(stock, func(b k3sBenchBoot) float64 { return b.hwm })), "-", "<= 64 MiB", met(hwm <= 64)})
+	return rows
+}
+
+func mapBoots(bs []k3sBenchBoot, f func(k3sBenchBoot) time.Duration) []time.Duration {
+	out := make([]time.Duration, len(bs))
+	for i, b := range bs {
+		out[i] = f(b)
+	}
+	return out
+}
+
+// k3sSizeRows: the k3s binary with k3s-pinning against the same build without it, and the
+// release's k3s-pinning binary and amd64 image archive, when make bench gave their paths.
+func k3sSizeRows(t *testing.T, bin string) [][]string {
+	t.Helper()
+	size := func(path string) int64 {
+		st, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Size()
+	}
+	mb := func(n int64) string { return fmt.Sprintf("%.1f MB", float64(n)/1e6) }
+	var rows [][]string
+	if stock := os.Getenv("K3S_BENCH_STOCK_BIN"); stock != "" {
+		with, without := size(filepath.Join(bin, "k3s")), size(filepath.Join(stock, "k3s"))
+		added := float64(with-without) / float64(without)
+		ok := "NO"
+		if added <= 0.05 {
+			ok = "yes"
+		}
+		rows = append(rows, []string{"k3s binary with k3s-pinning (go build ./cmd/server, -w -s as k3s)", mb(with), mb(without) + " the same build without k3s-pinning",
+			fmt.Sprintf("%.3f", float64(with)/float64(without)), "<= 1.05", ok})
+	}
+	if rel := os.Getenv("K3S_BENCH_RELEASE"); rel != "" {
+		rows = append(rows, []string{"k3s-pinning binary, linux/amd64 (make release: static, -s -w)", mb(size(filepath.Join(rel, "k3s-pinning-linux-amd64"))), "-", "-", "-", "-"})
+		img := size(filepath.Join(rel, "k3s-pinning-image-amd64.tar"))
+		ok := "NO"
+		if img <= 25e6 {
+			ok = "yes"
+		}
+		rows = append(rows, []string{"k3s-pinning-image-amd64.tar (make release, one architecture)", mb(img), "-", "-", "<= 25 MB", ok})
+		rows = append(rows, []string{"k3s-pinning-image.tar (make release, amd64, arm64 and arm)", mb(size(filepath.Join(rel, "k3s-pinning-image.tar"))), "-", "-", "-", "-"})
+	}
+	return rows
+}
