@@ -1292,21 +1292,32 @@ func (c *cluster) killMidImport(r *clusterReport) {
 		whole = fmt.Sprintf("NOT WHOLE (%d blobs missing, %v)", len(missing), err)
 		c.t.Errorf("%s: %s after the restart: %s", agent2.name, clusterBigRef, whole)
 	}
-	all, err := agent2.client.LeasesService().List(agent2.ctx)
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	ours, others := 0, []string{}
-	for _, l := range all {
-		if _, ok := l.Labels[agentimages.LabelImportLease]; ok {
-			ours++
-		} else {
-			others = append(others, fmt.Sprintf("%s (created %s)", l.ID, l.CreatedAt.Format(time.TimeOnly)))
+	// The killed import's lease is deleted by the restarted agent's first sync; the lease of its
+	// own import of big outlives the pinned references by the end of that import (its content
+	// labels), so the leases are asked for until ours are gone, 30 s at most: one there then is
+	// left behind. (A single list right after the pins saw that import's lease once, in make test.)
+	var ours int
+	var others []string
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		all, err := agent2.client.LeasesService().List(agent2.ctx)
+		if err != nil {
+			c.t.Fatal(err)
+		}
+		ours, others = 0, nil
+		for _, l := range all {
+			if _, ok := l.Labels[agentimages.LabelImportLease]; ok {
+				ours++
+			} else {
+				others = append(others, fmt.Sprintf("%s (created %s)", l.ID, l.CreatedAt.Format(time.TimeOnly)))
+			}
+		}
+		if ours == 0 || time.Now().After(deadline) {
+			break
 		}
 	}
 	c.t.Logf("%s: leases after the restart: %d of k3s-pinning; others: %v", agent2.name, ours, others)
 	if ours > 0 {
-		c.t.Errorf("%s: %d import lease(s) of k3s-pinning left after the restart", agent2.name, ours)
+		c.t.Errorf("%s: %d import lease(s) of k3s-pinning left 30 s after every reference was pinned again", agent2.name, ours)
 	}
 	r.set(scenario, agent2.name, fmt.Sprintf("killed %s after the start, import under way; after the restart: %s, %s %s; leases: %d of k3s-pinning, %d others",
 		killedAt.Round(10*time.Millisecond), keptCell(agent2, agent2.airgapRefs()), clusterBigRef, whole, ours, len(others)))

@@ -271,7 +271,21 @@ func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string)
 	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
 	n.cmd = cmd
 	n.logs = append(n.logs, n.log)
-	n.await(3*time.Minute, "containerd of k3s answering", func() bool {
+	n.awaitContainerd(3 * time.Minute)
+	n.await(3*time.Minute, "the node registered", func() bool { return n.kubectlOK("get", "node", k3sNodeName) })
+	if !imagesLoaded {
+		return
+	}
+	n.await(2*time.Minute, "agent/images loaded", func() bool {
+		got := n.present(k3sAirgapRefs...)
+		return got[k3sPauseRef] && got[k3sAppRef] && got[k3sToolRef]
+	})
+}
+
+// awaitContainerd waits up to d for k3s's containerd to answer on its socket, and connects.
+func (n *k3sNode) awaitContainerd(d time.Duration) {
+	n.t.Helper()
+	n.await(d, "containerd of k3s answering", func() bool {
 		if n.client != nil {
 			return true
 		}
@@ -280,14 +294,6 @@ func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string)
 		}
 		n.connect(k3sContainerdSocket)
 		return true
-	})
-	n.await(3*time.Minute, "the node registered", func() bool { return n.kubectlOK("get", "node", k3sNodeName) })
-	if !imagesLoaded {
-		return
-	}
-	n.await(2*time.Minute, "agent/images loaded", func() bool {
-		got := n.present(k3sAirgapRefs...)
-		return got[k3sPauseRef] && got[k3sAppRef] && got[k3sToolRef]
 	})
 }
 

@@ -232,16 +232,7 @@ func (n *k3sNode) benchStart() time.Time {
 	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
 	n.cmd = cmd
 	n.logs = append(n.logs, n.log)
-	n.await(5*time.Minute, "containerd of k3s answering", func() bool {
-		if n.client != nil {
-			return true
-		}
-		if _, err := os.Stat(k3sContainerdSocket); err != nil {
-			return false
-		}
-		n.connect(k3sContainerdSocket)
-		return true
-	})
+	n.awaitContainerd(5 * time.Minute)
 	return start
 }
 
