@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -224,4 +225,24 @@ func StripPins(ctx context.Context, store images.Store) error {
 		}
 	}
 	return nil
+}
+
+// ProcessMemory is VmRSS and VmHWM (the peak) of process pid in MiB, from /proc (Linux).
+func ProcessMemory(pid int) (rss, hwm float64, err error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 2 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
+			kib, _ := strconv.ParseFloat(f[1], 64)
+			if f[0] == "VmRSS:" {
+				rss = kib / 1024
+			} else {
+				hwm = kib / 1024
+			}
+		}
+	}
+	return rss, hwm, nil
 }

@@ -14,6 +14,7 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -191,7 +192,9 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 	b.images, b.load = time.Since(start), time.Since(answering)
 	b.ready = n.awaitReady(start)
 	time.Sleep(10 * time.Second) // what the load left behind: given back, or not
-	b.rss, b.hwm = processMemory(t, n.cmd.Process.Pid)
+	if b.rss, b.hwm, err = containerdtest.ProcessMemory(n.cmd.Process.Pid); err != nil {
+		t.Fatal(err)
+	}
 	t.Logf("cold boot: images %s (the load from containerd answering %s), Ready %s, VmRSS %.1f MiB (VmHWM %.1f)", b.images.Round(time.Millisecond), b.load.Round(time.Millisecond), b.ready.Round(time.Millisecond), b.rss, b.hwm)
 
 	n.stop()
@@ -270,27 +273,6 @@ func (n *k3sNode) awaitReady(start time.Time) time.Duration {
 		return err == nil && !beat.Before(since)
 	})
 	return time.Since(start)
-}
-
-// processMemory is VmRSS and VmHWM of pid in MiB.
-func processMemory(t *testing.T, pid int) (rss, hwm float64) {
-	t.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) >= 2 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
-			kib, _ := strconv.ParseFloat(f[1], 64)
-			if f[0] == "VmRSS:" {
-				rss = kib / 1024
-			} else {
-				hwm = kib / 1024
-			}
-		}
-	}
-	return rss, hwm
 }
 
 // k3sBenchRows are the rows of set: the best boot of each side, against its targets.

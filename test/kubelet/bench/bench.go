@@ -600,7 +600,7 @@ func (b *bench) agentProcess(ctx context.Context, s *refSet, idle bool) error {
 		b.add(Row{Figure: fmt.Sprintf("idle CPU of `k3s-pinning run` over %s", b.opts.Idle), Value: fmt.Sprintf("%.2f s", cpu1-cpu0),
 			Baseline: "-", Target: "< 0.05 s", Met: yes(cpu1-cpu0 < 0.05)})
 	}
-	rss, hwm, err := memory(cmd.Process.Pid)
+	rss, hwm, err := containerdtest.ProcessMemory(cmd.Process.Pid)
 	if err != nil {
 		return err
 	}
@@ -706,24 +706,4 @@ func cpuSeconds(pid int) (float64, error) {
 	utime, _ := strconv.ParseFloat(fields[11], 64)
 	stime, _ := strconv.ParseFloat(fields[12], 64)
 	return (utime + stime) / 100, nil
-}
-
-// memory is VmRSS and VmHWM of pid in MiB.
-func memory(pid int) (rss, hwm float64, err error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, 0, err
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) >= 2 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
-			kb, _ := strconv.ParseFloat(f[1], 64)
-			if f[0] == "VmRSS:" {
-				rss = kb / 1024
-			} else {
-				hwm = kb / 1024
-			}
-		}
-	}
-	return rss, hwm, nil
 }
