@@ -10,18 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source=${K3S_SOURCE:-$(build/k3s-newest.sh)}
 [ -n "$source" ] || { echo "make bench: no K3S_SOURCE and no k3s archive in ../shared/k3s-src" >&2; exit 1; }
-build() { # build [env...]: make k3s, its log kept only on failure; prints the bin dir
-  local log; log=$(mktemp)
-  env "$@" K3S_SOURCE="$source" bash scripts/build-k3s.sh > "$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
-  dirname "$(tail -1 "$log")"; rm -f "$log"
-}
-if [ -z "${K3S_E2E_BIN:-}" ]; then
-  echo "== make k3s (with k3s-pinning)"
-  K3S_E2E_BIN=$(build K3S_WITHOUT_PINNING=)
-fi
+# The k3s with k3s-pinning is scripts/k3s-e2e.sh's own build (unless K3S_E2E_BIN is set).
 if [ -z "${K3S_BENCH_STOCK_BIN:-}" ]; then
   echo "== make k3s K3S_WITHOUT_PINNING=1 (the same build without k3s-pinning)"
-  K3S_BENCH_STOCK_BIN=$(build K3S_WITHOUT_PINNING=1)
+  log=$(mktemp)
+  K3S_WITHOUT_PINNING=1 K3S_SOURCE="$source" bash scripts/build-k3s.sh > "$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
+  K3S_BENCH_STOCK_BIN=$(dirname "$(tail -1 "$log")"); rm -f "$log"
 fi
 release=$(mktemp -d)
 trap 'rm -rf "$release"' EXIT
@@ -29,5 +23,5 @@ echo "== make release (its amd64 binary and image archives)"
 VERSION=bench bash scripts/release.sh > "$release/log" 2>&1 || { cat "$release/log" >&2; exit 1; }
 cp dist/k3s-pinning-linux-amd64 dist/k3s-pinning-image-amd64.tar dist/k3s-pinning-image.tar "$release/"
 rm -rf dist
-export K3S_E2E_BIN K3S_BENCH_STOCK_BIN K3S_BENCH=1 K3S_BENCH_RELEASE=$release
+export K3S_SOURCE=$source K3S_BENCH_STOCK_BIN K3S_BENCH=1 K3S_BENCH_RELEASE=$release
 K3S_E2E_RUN='^TestK3sBench$' K3S_E2E_TIMEOUT=${K3S_E2E_TIMEOUT:-180m} bash scripts/k3s-e2e.sh
