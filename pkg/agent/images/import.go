@@ -21,7 +21,6 @@ import (
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"github.com/sirupsen/logrus"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
@@ -96,7 +95,13 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 		if imported {
 			// The index checked entries by name; a blob whose content does not match the digest
 			// its name claims is stored under its real digest, and the image would lack it.
-			if err := im.complete(ctx, img.Target); err != nil {
+			err := im.complete(ctx, img.Target)
+			if err == nil {
+				// Before any name points at it: without its GC labels, the image's content goes
+				// with the lease.
+				err = im.labelContent(ctx, img)
+			}
+			if err != nil {
 				for _, name := range names {
 					refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", img.Name, err)}})
 				}
@@ -120,48 +125,62 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source, opts...)
 			refs = append(refs, RefResult{Ref: name, Digest: img.Target.Digest.String(), Result: res, Err: err})
 		}
-		if imported {
-			if err := im.labelSources(ctx, img); err != nil {
-				logrus.Warnf("%s: %s: distribution-source labels: %v", idx.Archive.Name(), img.Name, err)
-			}
-		}
 	}
 	return refs, imported, nil
 }
 
-// labelSources gives the content of an imported image containerd's distribution-source labels,
-// as k3s does: the embedded registry (spegel) serves content to peers only for the registries
-// these labels name, the image's own and each --airgap-extra-registry, with the repository path
-// as value. Only these keys are written; the GC labels on the content stay.
-func (im *importer) labelSources(ctx context.Context, img images.Image) error {
-	named, err := reference.ParseDockerRef(img.Name)
-	if err != nil {
-		return nil // not a registry reference: no registry to name
-	}
+// labelContent gives each blob of an imported image the labels it needs, in one write per blob:
+// on a manifest or an index, containerd's GC labels naming its children (what keeps them once the
+// import's lease ends, as containerd's own import sets them); on every blob, containerd's
+// distribution-source labels, as k3s sets them: the embedded registry (spegel) serves content to
+// peers only for the registries these name, the image's own and each --airgap-extra-registry,
+// with the repository path as value. Only these keys are written. One write, not one per kind of
+// label: a cold load waits on containerd's transactions, one per write.
+func (im *importer) labelContent(ctx context.Context, img images.Image) error {
 	sources := map[string]string{}
-	var fields []string
-	for _, reg := range append([]string{reference.Domain(named)}, im.extraRegistries...) {
-		key := containerdlabels.LabelDistributionSource + "." + strings.TrimSuffix(reg, "/")
-		if _, dup := sources[key]; !dup {
-			sources[key] = reference.Path(named)
-			fields = append(fields, pinning.LabelField(key))
+	if named, err := reference.ParseDockerRef(img.Name); err == nil { // else no registry to name
+		for _, reg := range append([]string{reference.Domain(named)}, im.extraRegistries...) {
+			sources[containerdlabels.LabelDistributionSource+"."+strings.TrimSuffix(reg, "/")] = reference.Path(named)
 		}
 	}
 	cs := im.cd.Content
-	var errs []error
 	label := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
-		if _, err := cs.Update(ctx, content.Info{Digest: desc.Digest, Labels: sources}, fields...); err != nil {
-			if errdefs.IsNotFound(err) {
-				return nil, nil // another platform's content, left out of the archive
-			}
-			errs = append(errs, fmt.Errorf("%s: %w", desc.Digest, err))
+		children, err := images.Children(ctx, cs, desc)
+		if errdefs.IsNotFound(err) {
+			return nil, nil // another platform's content, left out of the archive
 		}
-		return images.Children(ctx, cs, desc)
+		if err != nil {
+			return nil, err
+		}
+		info := content.Info{Digest: desc.Digest, Labels: maps.Clone(sources)}
+		seen := map[string]int{}
+		for _, child := range children {
+			// Numbered as containerd's images.SetChildrenLabels numbers them.
+			for _, key := range images.ChildGCLabels(child) {
+				n := seen[key]
+				seen[key] = n + 1
+				if n > 0 || strings.HasSuffix(key, ".") {
+					key = fmt.Sprintf("%s%d", key, n)
+				}
+				info.Labels[key] = child.Digest.String()
+			}
+		}
+		if len(info.Labels) == 0 {
+			return children, nil
+		}
+		fields := make([]string, 0, len(info.Labels))
+		for _, key := range slices.Sorted(maps.Keys(info.Labels)) {
+			fields = append(fields, pinning.LabelField(key))
+		}
+		if _, err := cs.Update(ctx, info, fields...); err != nil {
+			if errdefs.IsNotFound(err) {
+				return nil, nil // another platform's layer, left out of the archive
+			}
+			return nil, fmt.Errorf("labels of %s: %w", desc.Digest, err)
+		}
+		return children, nil
 	})
-	if err := images.Walk(ctx, label, img.Target); err != nil {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
+	return images.Walk(ctx, label, img.Target)
 }
 
 // indexed are the imported images that idx lists: an archive whose claim on a reference another
@@ -451,37 +470,25 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, a ai
 	if err != nil {
 		return nil, err
 	}
-	var named []images.Image
-	var handler images.HandlerFunc = func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
-		if desc.Digest != index.Digest {
-			children, err := images.Children(ctx, cs, desc)
-			if errdefs.IsNotFound(err) {
-				return nil, images.ErrSkipDesc // other platforms' content left out of the archive
-			}
-			return children, err
-		}
-		data, err := content.ReadBlob(ctx, cs, desc)
-		if err != nil {
-			return nil, err
-		}
-		var idx ocispec.Index
-		if err := json.Unmarshal(data, &idx); err != nil {
-			return nil, err
-		}
-		for _, m := range idx.Manifests {
-			name := m.Annotations[images.AnnotationImageName]
-			if name == "" {
-				name = m.Annotations[ocispec.AnnotationRefName]
-			}
-			if name != "" {
-				named = append(named, images.Image{Name: name, Target: m})
-			}
-		}
-		return idx.Manifests, nil
-	}
-	h := images.SetChildrenLabels(cs, images.FilterPlatforms(handler, platforms.All))
-	if err := images.WalkNotEmpty(ctx, h, index); err != nil {
+	// The archive's index only names the images: it is no image's content, and the lease takes it
+	// away. Each named image's content is labelled once it is known complete (labelContent).
+	data, err := content.ReadBlob(ctx, cs, index)
+	if err != nil {
 		return nil, err
+	}
+	var idx ocispec.Index
+	if err := json.Unmarshal(data, &idx); err != nil {
+		return nil, err
+	}
+	var named []images.Image
+	for _, m := range idx.Manifests {
+		name := m.Annotations[images.AnnotationImageName]
+		if name == "" {
+			name = m.Annotations[ocispec.AnnotationRefName]
+		}
+		if name != "" {
+			named = append(named, images.Image{Name: name, Target: m})
+		}
 	}
 	if len(named) == 0 {
 		return nil, errors.New("the archive names no image")

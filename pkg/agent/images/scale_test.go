@@ -12,6 +12,10 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	containerdimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/leases"
+	"github.com/containerd/containerd/v2/pkg/labels"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/sirupsen/logrus"
 	"google.golang.org/grpc"
 
@@ -232,4 +236,59 @@ func TestRestoreCallsDoNotGrowWithTheStore(t *testing.T) {
 		}
 	}
 	t.Logf("calls of one restore, beside 2 or 12 archives: %v", many)
+}
+
+// TestColdLoadLabelsEachBlobOnce: a cold load writes each blob's labels (the GC labels of a
+// manifest or index, the distribution-source labels of every blob) in one update, and the GC
+// labels keep every blob with its image once the import's lease is gone and containerd's GC has
+// run. A load waits on containerd's transactions: a manifest's two label writes, one for each kind,
+// were a tenth of a cold load's.
+func TestColdLoadLabelsEachBlobOnce(t *testing.T) {
+	n := newNode(t)
+	dir, tags := scaleImagesDir(t, "labels.example", 4, func(i int) bool { return i%2 == 1 })
+	counter := &callCounter{calls: map[string]int{}}
+	client, err := containerd.New(n.daemon.Address, containerd.WithExtraDialOpts(counter.dialOpts()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	if err := images.NewAgent(images.Services(client), images.Config{ImagesDir: dir}).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	updates := counter.snapshot()["/containerd.services.content.v1.Content/Update"]
+
+	// containerd's GC, run to its end: what no image's GC labels reach is gone after it.
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.client.LeasesService().Delete(n.ctx, lease, leases.SynchronousDelete); err != nil {
+		t.Fatal(err)
+	}
+	cs := n.client.ContentStore()
+	blobs := 0
+	for _, tag := range tags {
+		img, err := n.client.ImageService().Get(n.ctx, tag)
+		if err != nil {
+			t.Fatal(err)
+		}
+		walk := containerdimages.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+			info, err := cs.Info(ctx, desc.Digest)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %s (%s) after containerd's GC: %w", tag, desc.Digest, desc.MediaType, err)
+			}
+			if info.Labels[labels.LabelDistributionSource+".labels.example"] == "" {
+				t.Errorf("%s: %s (%s) has no distribution-source label", tag, desc.Digest, desc.MediaType)
+			}
+			blobs++
+			return containerdimages.Children(ctx, cs, desc)
+		})
+		if err := containerdimages.Walk(n.ctx, walk, img.Target); err != nil {
+			t.Error(err)
+		}
+	}
+	if updates != blobs {
+		t.Errorf("the cold load of %d images (%d blobs) updated content labels %d times, want one update per blob", len(tags), blobs, updates)
+	}
+	t.Logf("%d images, %d blobs, %d content label updates; calls: %v", len(tags), blobs, updates, counter.snapshot())
 }
