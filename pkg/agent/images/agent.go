@@ -181,9 +181,15 @@ func (a *Agent) saveState() {
 	if a.cfg.StateFile == "" {
 		return
 	}
-	a.reloadRetained() // an unpin by another process since the last save is not written back
 	a.state.Agent.StateError = ""
-	if err := a.state.Save(a.cfg.StateFile); err != nil {
+	err := withStateLock(a.cfg.StateFile, func() error {
+		// An unpin by another process since the last save is not written back; read under the
+		// lock, so that one between this read and the write waits for the write, and is applied
+		// at the next.
+		a.reloadRetained()
+		return a.state.write(a.cfg.StateFile)
+	})
+	if err != nil {
 		a.state.Agent.StateError = err.Error()
 		logrus.Errorf("%v; protecting from memory", err)
 	}
@@ -661,13 +667,25 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 		return "", err
 	}
 	// A retained archive's image is kept until it is unpinned: every name the archive gave it
-	// goes with the one named, so that nothing pins it again. The file is read again first: the
-	// running agent may have retained more since this process started.
-	if fresh, err := LoadState(a.cfg.StateFile); a.cfg.StateFile != "" && err == nil {
-		a.state.Retained = fresh.Retained
-		a.noteRetained()
+	// goes with the one named, so that nothing pins it again. The file is read again, changed and
+	// written in one turn of its lock: the running agent may have retained more since this process
+	// started, and a save of its own between the read and the write would be lost.
+	var dropped []string
+	if a.cfg.StateFile == "" {
+		dropped = a.dropRetained(img.Name)
+	} else if err := withStateLock(a.cfg.StateFile, func() error {
+		if fresh, err := LoadState(a.cfg.StateFile); err == nil {
+			a.state.Retained = fresh.Retained
+			a.noteRetained()
+		}
+		if dropped = a.dropRetained(img.Name); len(dropped) == 0 {
+			return nil
+		}
+		return a.state.write(a.cfg.StateFile)
+	}); err != nil {
+		return "", err
 	}
-	for _, name := range a.dropRetained(img.Name) {
+	for _, name := range dropped {
 		if name == img.Name {
 			continue
 		}
@@ -721,8 +739,8 @@ func (a *Agent) noteRetained() {
 }
 
 // dropRetained removes ref, and every other name a retained archive recorded for the same image,
-// from the retained archives (an archive left with nothing is forgotten), and saves the state.
-// It returns the names dropped.
+// from the retained archives (an archive left with nothing is forgotten). It returns the names
+// dropped; the caller saves.
 func (a *Agent) dropRetained(ref string) []string {
 	var dropped []string
 	for _, name := range slices.Sorted(maps.Keys(a.state.Retained)) {
@@ -742,9 +760,6 @@ func (a *Agent) dropRetained(ref string) []string {
 			delete(a.state.Retained, name)
 			logrus.Infof("%s: nothing retained any more; forgotten", name)
 		}
-	}
-	if len(dropped) > 0 {
-		a.saveState()
 	}
 	return dropped
 }

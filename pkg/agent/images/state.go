@@ -98,10 +98,13 @@ func LoadState(path string) (*State, error) {
 // `sync` beside it) take turns on a lock file; holding it, a writer removes the temporary files
 // that a writer killed mid-write left, since no live writer can own one.
 func (s *State) Save(path string) error {
-	data, err := json.MarshalIndent(s, "", "  ")
-	if err != nil {
-		return err
-	}
+	return withStateLock(path, func() error { return s.write(path) })
+}
+
+// withStateLock calls f holding the lock of the state file at path, the writers' turn: a writer
+// that reads the file, changes it and writes it back does all three in one turn, so that no other
+// writer's save falls between its read and its write and is lost.
+func withStateLock(path string, f func() error) error {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("state dir %s: %w", dir, err)
@@ -111,6 +114,16 @@ func (s *State) Save(path string) error {
 		return fmt.Errorf("state %s: %w", path, err)
 	}
 	defer unlock()
+	return f()
+}
+
+// write is Save's write, its caller holding the lock (withStateLock).
+func (s *State) write(path string) error {
+	data, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return err
+	}
+	dir := filepath.Dir(path)
 	stale, _ := filepath.Glob(filepath.Join(dir, ".state-*.json"))
 	for _, f := range stale {
 		os.Remove(f)
