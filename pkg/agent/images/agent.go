@@ -63,6 +63,7 @@ func Services(client *containerd.Client) Containerd {
 	cd := Containerd{Images: client.ImageService(), Content: client.ContentStore(), Leases: client.LeasesService(), Events: client}
 	if conn, ok := client.Conn().(*grpc.ClientConn); ok {
 		cd.CRI = runtimeapi.NewImageServiceClient(conn)
+		cd.Images = streamedImages{Store: cd.Images, conn: conn}
 	}
 	return cd
 }
