@@ -65,7 +65,7 @@ func commonFlags(o *options) []cli.Flag {
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
-// is set: the bench's target for the daemon's resident memory.
+// is set: make bench's target for the daemon's peak.
 const runMemoryLimit = 64 << 20
 
 func main() {

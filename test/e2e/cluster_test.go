@@ -1294,8 +1294,9 @@ func (c *cluster) killMidImport(r *clusterReport) {
 	}
 	// The killed import's lease is deleted by the restarted agent's first sync; the lease of its
 	// own import of big outlives the pinned reference by the end of that import (the lease goes
-	// when the load returns, after its last name), so the leases are asked for until ours are gone, 30 s at most: one there then is
-	// left behind. (A single list right after the pins saw that import's lease once, in make test.)
+	// when the load returns, after its last name), so the leases are asked for until ours are
+	// gone, 30 s at most: one there then is left behind. (A single list right after the pins saw
+	// that import's lease once, in make test.)
 	var ours int
 	var others []string
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {

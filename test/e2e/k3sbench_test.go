@@ -246,19 +246,16 @@ func boltTxID(t *testing.T, path string) uint64 {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	var id uint64
+	var id, size uint64
 	page := make([]byte, 72)
-	for offset := int64(0); offset < 2; offset++ {
-		if _, err := f.ReadAt(page[:32], 0); err != nil {
-			t.Fatal(err)
-		}
-		size := int64(binary.LittleEndian.Uint32(page[24:28])) // meta 0's page size
-		if _, err := f.ReadAt(page, offset*size); err != nil {
+	for meta := range uint64(2) {
+		if _, err := f.ReadAt(page, int64(meta*size)); err != nil {
 			t.Fatal(err)
 		}
 		if binary.LittleEndian.Uint32(page[16:20]) != 0xED0CDAED {
-			t.Fatalf("%s: meta page %d: not a bbolt meta page", path, offset)
+			t.Fatalf("%s: meta page %d: not a bbolt meta page", path, meta)
 		}
+		size = uint64(binary.LittleEndian.Uint32(page[24:28])) // meta 0's page size: where meta 1 is
 		id = max(id, binary.LittleEndian.Uint64(page[64:72]))
 	}
 	return id

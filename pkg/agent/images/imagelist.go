@@ -14,6 +14,7 @@ import (
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/containerd/v2/pkg/protobuf"
 	"github.com/containerd/errdefs/pkg/errgrpc"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -46,8 +47,8 @@ func (s streamedImages) List(ctx context.Context, filters ...string) ([]images.I
 // imageList is Images.List's answer as streamedImages decodes it.
 type imageList struct {
 	images  []images.Image
-	labels  map[string]map[string]string // each distinct set of labels, by labelsKey
-	targets map[string]images.Image      // a record of each target, by digest: its descriptor to share
+	labels  map[string]map[string]string  // each distinct set of labels, by labelsKey
+	targets map[string]ocispec.Descriptor // each distinct target, by digest and annotations
 }
 
 // imageListCodec is gRPC's proto codec for the request, and imageList's decoder for the answer.
@@ -90,7 +91,7 @@ type bufferReader interface {
 
 // decode reads a ListImagesResponse (field 1: the repeated images), one image at a time.
 func (l *imageList) decode(r bufferReader) error {
-	l.labels, l.targets = map[string]map[string]string{}, map[string]images.Image{}
+	l.labels, l.targets = map[string]map[string]string{}, map[string]ocispec.Descriptor{}
 	var msg []byte
 	for r.Remaining() > 0 {
 		tag, err := binary.ReadUvarint(r)
@@ -157,10 +158,12 @@ func (l *imageList) image(pb *imagesapi.Image) images.Image {
 	if len(img.Target.Annotations) > 0 {
 		key += "\x00" + labelsKey(img.Target.Annotations)
 	}
-	if seen, ok := l.targets[key]; ok && seen.Target.MediaType == img.Target.MediaType && seen.Target.Size == img.Target.Size {
-		img.Target = seen.Target
-	} else if !ok {
-		l.targets[key] = img
+	seen, ok := l.targets[key]
+	switch {
+	case !ok:
+		l.targets[key] = img.Target
+	case seen.MediaType == img.Target.MediaType && seen.Size == img.Target.Size:
+		img.Target = seen
 	}
 	return img
 }
