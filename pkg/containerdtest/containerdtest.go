@@ -11,6 +11,7 @@ package containerdtest
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"os"
 	"os/exec"
@@ -21,6 +22,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 
 	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
@@ -245,4 +247,58 @@ func ProcessMemory(pid int) (rss, hwm float64, err error) {
 		}
 	}
 	return rss, hwm, nil
+}
+
+// MetadataDB is the bbolt file of containerd's metadata store under root (containerd's root dir).
+func MetadataDB(root string) string {
+	return filepath.Join(root, "io.containerd.metadata.v1.bolt", "meta.db")
+}
+
+// Transactions is the ID of the last transaction committed to the bbolt file at path (containerd's
+// metadata store, MetadataDB): each write to it, a blob's ingest opened or committed, an image
+// record's create, a label's update, a lease, is one transaction, and one sync of the disk; a cold
+// load waits on them. It reads the two meta pages (page header 16 bytes, then magic, version,
+// page size, flags, the root bucket (16), the freelist and high-water page IDs, the transaction
+// ID) and takes the newer.
+func Transactions(path string) (uint64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	var id, size uint64
+	page := make([]byte, 72)
+	for meta := range uint64(2) {
+		if _, err := f.ReadAt(page, int64(meta*size)); err != nil {
+			return 0, fmt.Errorf("%s: %w", path, err)
+		}
+		if binary.LittleEndian.Uint32(page[16:20]) != 0xED0CDAED {
+			return 0, fmt.Errorf("%s: meta page %d: not a bbolt meta page", path, meta)
+		}
+		size = uint64(binary.LittleEndian.Uint32(page[24:28])) // meta 0's page size: where meta 1 is
+		id = max(id, binary.LittleEndian.Uint64(page[64:72]))
+	}
+	return id, nil
+}
+
+// TransactionFloor is the fewest metadata transactions any load through containerd's API can make
+// to leave what containerd holds now (cs's blobs, is's image records): a blob's ingest opened and
+// committed (two), an image record created (one), and the CRI's update of each name it did not
+// create (its "managed" label, written when it makes the image ID record, a record named
+// sha256:<image ID>; one), nothing labelled after, no lease. With the counts it comes from.
+func TransactionFloor(ctx context.Context, cs content.Store, is images.Store) (floor, blobs, records, ids uint64, err error) {
+	if err := cs.Walk(ctx, func(content.Info) error { blobs++; return nil }); err != nil {
+		return 0, 0, 0, 0, err
+	}
+	imgs, err := is.List(ctx)
+	if err != nil {
+		return 0, 0, 0, 0, err
+	}
+	for _, img := range imgs {
+		if strings.HasPrefix(img.Name, "sha256:") {
+			ids++
+		}
+	}
+	records = uint64(len(imgs))
+	return 2*blobs + records + records - ids, blobs, records, ids, nil
 }

@@ -1,7 +1,6 @@
 package e2e_test
 
 import (
-	"encoding/binary"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,7 +12,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/containerd/containerd/v2/core/content"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
@@ -43,6 +41,7 @@ type k3sBenchBoot struct {
 	load               time.Duration // the load alone: from containerd answering to images
 	rss, hwm           float64       // MiB of the k3s process after the load
 	writes             uint64        // containerd's metadata transactions from its answering to the load's end
+	floor              uint64        // the fewest transactions that leave what the load left (containerdtest.TransactionFloor)
 	blobs, records     uint64        // what the load left in containerd: blobs, image records
 	ids                uint64        // of the records, the CRI's image ID records (sha256:<config digest>)
 	warmCache, warmNew time.Duration // warm restart to Ready: with .cache.json, and without it
@@ -193,8 +192,11 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 	var b k3sBenchBoot
 	start := n.benchStart()
 	answering := time.Now()
-	meta := filepath.Join(n.imagefs, "io.containerd.metadata.v1.bolt", "meta.db")
-	tx0 := boltTxID(t, meta)
+	meta := containerdtest.MetadataDB(n.imagefs)
+	tx0, err := containerdtest.Transactions(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
 	// One image list per check: every 200 ms per 1,000 references, so that the checks cost
 	// containerd about as much on the huge set as on the small one (both sides alike).
 	every, last := 200*time.Millisecond*time.Duration(max(1, len(refs)/1000)), time.Time{}
@@ -206,8 +208,14 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 		return n.loaded(refs)
 	})
 	b.images, b.load = time.Since(start), time.Since(answering)
-	b.writes = boltTxID(t, meta) - tx0
-	b.blobs, b.records, b.ids = n.records()
+	tx, err := containerdtest.Transactions(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.writes = tx - tx0
+	if b.floor, b.blobs, b.records, b.ids, err = containerdtest.TransactionFloor(n.ctx, n.client.ContentStore(), n.client.ImageService()); err != nil {
+		t.Fatal(err)
+	}
 	b.ready = n.awaitReady(start)
 	time.Sleep(10 * time.Second) // what the load left behind: given back, or not
 	if b.rss, b.hwm, err = containerdtest.ProcessMemory(n.cmd.Process.Pid); err != nil {
@@ -232,52 +240,6 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 		b.warmCache.Round(time.Millisecond), b.warmNew.Round(time.Millisecond), k3sImports(t, n.logs[1]), k3sImports(t, n.logs[2]))
 	n.stop()
 	return b
-}
-
-// boltTxID is the ID of the last transaction committed to the bbolt file at path (containerd's
-// metadata store): each write to it, a blob's commit, an image record's create or a label's update,
-// is one transaction, and one sync of the disk. It reads the two meta pages (page header 16 bytes,
-// then magic, version, page size, flags, the root bucket (16), the freelist and high-water page
-// IDs, the transaction ID) and takes the newer valid one.
-func boltTxID(t *testing.T, path string) uint64 {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var id, size uint64
-	page := make([]byte, 72)
-	for meta := range uint64(2) {
-		if _, err := f.ReadAt(page, int64(meta*size)); err != nil {
-			t.Fatal(err)
-		}
-		if binary.LittleEndian.Uint32(page[16:20]) != 0xED0CDAED {
-			t.Fatalf("%s: meta page %d: not a bbolt meta page", path, meta)
-		}
-		size = uint64(binary.LittleEndian.Uint32(page[24:28])) // meta 0's page size: where meta 1 is
-		id = max(id, binary.LittleEndian.Uint64(page[64:72]))
-	}
-	return id
-}
-
-// records counts what a load of the images dir leaves in containerd: blobs, and image records
-// (each name, and the CRI's record of each image ID: ids).
-func (n *k3sNode) records() (blobs, records, ids uint64) {
-	n.t.Helper()
-	if err := n.client.ContentStore().Walk(n.ctx, func(content.Info) error { blobs++; return nil }); err != nil {
-		n.t.Fatal(err)
-	}
-	imgs, err := n.client.ImageService().List(n.ctx)
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	for _, img := range imgs {
-		if strings.HasPrefix(img.Name, "sha256:") {
-			ids++
-		}
-	}
-	return blobs, uint64(len(imgs)), ids
 }
 
 // k3sImports counts the archives stock k3s's import read in one start's log.
@@ -389,7 +351,7 @@ func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot) [][]string {
 	// when it makes the image ID record; one), nothing labelled after, no lease.
 	tx := func(b k3sBenchBoot) float64 { return float64(b.writes) }
 	wt, st := least(with, tx), least(stock, tx)
-	fl := least(append(slices.Clone(with), stock...), func(b k3sBenchBoot) float64 { return float64(2*b.blobs + b.records + b.records - b.ids) })
+	fl := least(append(slices.Clone(with), stock...), func(b k3sBenchBoot) float64 { return float64(b.floor) })
 	rows = append(rows,
 		[]string{"containerd transactions of the cold load: " + set.what, fmt.Sprintf("%.0f", wt), fmt.Sprintf("%.0f stock k3s", st), fmt.Sprintf("%.3f", wt/st), "-", "-"},
 		[]string{"their floor (2 per blob, 1 per image record, 1 per name the CRI labels): " + set.what, fmt.Sprintf("%.0f", fl), fmt.Sprintf("%.0f stock k3s", st), fmt.Sprintf("%.3f", fl/st), "-", "-"})
