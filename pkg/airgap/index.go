@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -37,6 +38,29 @@ type Index struct {
 	Archive Archive
 	Format  Format
 	Images  []IndexedImage
+	// Content is what the archive's files are to its images; nil for a .txt list, and for an
+	// index that was recorded rather than read.
+	Content *Content
+}
+
+// Content is what each file of an image archive is to the archive's images, by the file's name
+// in the archive: containerd's import writes one blob per file, and this lets it label each blob
+// in the write that creates it, rather than in a write of its own (a cold load waits on
+// containerd's transactions).
+type Content struct {
+	// Refs are the references (IndexedImage.Ref) whose content the file is: a docker archive's
+	// configs and layers, every blob an OCI layout's named descriptors reach, on any platform.
+	Refs map[string][]string
+	// MediaTypes are the media types of an OCI layout's manifest and index files (the files
+	// whose children containerd's GC must keep with them), as their descriptors give them.
+	MediaTypes map[string]string
+}
+
+// add records that the file name is content of ref.
+func (c *Content) add(name, ref string) {
+	if !slices.Contains(c.Refs[name], ref) {
+		c.Refs[name] = append(c.Refs[name], ref)
+	}
 }
 
 // IndexedImage is one named image an archive provides.
@@ -381,7 +405,7 @@ func (tc *tarContents) dockerIndex(a Archive) (*Index, error) {
 	if err := tc.decode("manifest.json", &manifests); err != nil {
 		return nil, err
 	}
-	idx := &Index{Archive: a, Format: DockerArchive}
+	idx := &Index{Archive: a, Format: DockerArchive, Content: &Content{Refs: map[string][]string{}}}
 	for i, m := range manifests {
 		config, ok := tc.json[path.Clean(m.Config)]
 		if !ok {
@@ -398,7 +422,16 @@ func (tc *tarContents) dockerIndex(a Archive) (*Index, error) {
 			if err != nil {
 				return nil, fmt.Errorf("manifest.json entry %d: tag %q: %w", i, tag, err)
 			}
-			idx.Images = append(idx.Images, IndexedImage{Ref: named.String(), ImageID: id})
+			ref := named.String()
+			idx.Images = append(idx.Images, IndexedImage{Ref: ref, ImageID: id})
+			// As containerd's import finds the files: a layer named by a symlink is its target's.
+			for _, name := range append([]string{m.Config}, m.Layers...) {
+				name = path.Clean(name)
+				if target, ok := tc.symlinks[name]; ok {
+					name = target
+				}
+				idx.Content.add(name, ref)
+			}
 		}
 	}
 	return idx, nil
@@ -418,7 +451,7 @@ func (tc *tarContents) ociIndex(a Archive) (*Index, error) {
 	if err := tc.decode(ocispec.ImageIndexFile, &index); err != nil {
 		return nil, err
 	}
-	idx := &Index{Archive: a, Format: OCIArchive}
+	idx := &Index{Archive: a, Format: OCIArchive, Content: &Content{Refs: map[string][]string{}, MediaTypes: map[string]string{}}}
 	for _, desc := range index.Manifests {
 		name := desc.Annotations[images.AnnotationImageName]
 		if name == "" {
@@ -435,8 +468,41 @@ func (tc *tarContents) ociIndex(a Archive) (*Index, error) {
 			return nil, fmt.Errorf("index.json: %s: %w", name, err)
 		}
 		idx.Images = append(idx.Images, IndexedImage{Ref: name, Digest: desc.Digest, ImageID: id})
+		tc.walkContent(idx.Content, desc, name, 0)
 	}
 	return idx, nil
+}
+
+// walkContent records the blobs desc reaches in the archive as content of ref, on every platform
+// (containerd's import keeps them all): what the archive lacks is left out, as the import leaves it.
+func (tc *tarContents) walkContent(c *Content, desc ocispec.Descriptor, ref string, depth int) {
+	name := blobPath(desc.Digest)
+	if !tc.present[name] || depth > 4 {
+		return
+	}
+	c.add(name, ref)
+	var children []ocispec.Descriptor
+	switch {
+	case images.IsIndexType(desc.MediaType):
+		c.MediaTypes[name] = desc.MediaType
+		var index ocispec.Index
+		if tc.decode(name, &index) != nil {
+			return
+		}
+		children = index.Manifests
+	case images.IsManifestType(desc.MediaType):
+		c.MediaTypes[name] = desc.MediaType
+		var m ocispec.Manifest
+		if tc.decode(name, &m) != nil {
+			return
+		}
+		children = append([]ocispec.Descriptor{m.Config}, m.Layers...)
+	default:
+		return
+	}
+	for _, child := range children {
+		tc.walkContent(c, child, ref, depth+1)
+	}
 }
 
 // imageID resolves desc (a manifest or an index) to the config digest for the node's platform,

@@ -154,6 +154,103 @@ func TestScanSkipsHiddenAndNamesUnsupported(t *testing.T) {
 	}
 }
 
+// TestReadIndexSaysWhatEachFileIs: the index says which images each file of an archive is content
+// of (by its name in the archive, as containerd's import names its writes), and which files are
+// manifests or indexes: a docker archive's config and layers, an OCI layout's every blob of every
+// platform. An import labels each blob from it as it writes it.
+func TestReadIndexSaysWhatEachFileIs(t *testing.T) {
+	dir := t.TempDir()
+	img, err := imagetest.Image(4<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := imagetest.Image(4<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	multi, err := imagetest.MultiPlatform(4<<10, v1.Platform{OS: "linux", Architecture: "arm64"}, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	blobs := func(img v1.Image) []v1.Hash {
+		t.Helper()
+		m, err := img.Manifest()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := []v1.Hash{m.Config.Digest}
+		for _, l := range m.Layers {
+			out = append(out, l.Digest)
+		}
+		return out
+	}
+	check := func(idx *airgap.Index, name string, want ...string) {
+		t.Helper()
+		if got := idx.Content.Refs[name]; strings.Join(got, " ") != strings.Join(want, " ") {
+			t.Errorf("%s: %s is content of %q, want %q", idx.Format, name, got, want)
+		}
+	}
+
+	// docker: go-containerregistry names a config by its digest and a layer <hex>.tar.gz.
+	dockerPath := filepath.Join(dir, "d.tar")
+	if err := imagetest.WriteDocker(dockerPath, map[string]v1.Image{"acc.example/app:1": img, "acc.example/other:1": other}); err != nil {
+		t.Fatal(err)
+	}
+	idx, err := readIndex(archiveAt(t, dockerPath))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for ref, image := range map[string]v1.Image{"acc.example/app:1": img, "acc.example/other:1": other} {
+		for i, h := range blobs(image) {
+			name := h.Hex + ".tar.gz"
+			if i == 0 {
+				name = h.String()
+			}
+			check(idx, name, ref)
+		}
+	}
+	if len(idx.Content.MediaTypes) != 0 {
+		t.Errorf("docker archive: manifests %v, want none (containerd writes them)", idx.Content.MediaTypes)
+	}
+
+	// OCI: every blob of both platforms, the index and manifests with their media types.
+	ociPath := filepath.Join(dir, "o.tar")
+	if err := imagetest.WriteOCI(ociPath, map[string]any{"acc.example/one:1": img, "acc.example/multi:1": multi}); err != nil {
+		t.Fatal(err)
+	}
+	if idx, err = readIndex(archiveAt(t, ociPath)); err != nil {
+		t.Fatal(err)
+	}
+	path := func(h v1.Hash) string { return "blobs/sha256/" + h.Hex }
+	one, _ := img.Digest()
+	check(idx, path(one), "acc.example/one:1")
+	for _, h := range blobs(img) {
+		check(idx, path(h), "acc.example/one:1")
+	}
+	multiDigest, _ := multi.Digest()
+	check(idx, path(multiDigest), "acc.example/multi:1")
+	im, _ := multi.IndexManifest()
+	for _, m := range im.Manifests {
+		check(idx, path(m.Digest), "acc.example/multi:1")
+		platformImg, err := multi.Image(m.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, h := range blobs(platformImg) {
+			check(idx, path(h), "acc.example/multi:1")
+		}
+		if got := idx.Content.MediaTypes[path(m.Digest)]; got != string(m.MediaType) {
+			t.Errorf("oci: manifest %s media type %q, want %q", m.Digest, got, m.MediaType)
+		}
+	}
+	if got := idx.Content.MediaTypes[path(multiDigest)]; got != "application/vnd.oci.image.index.v1+json" {
+		t.Errorf("oci: index media type %q", got)
+	}
+	if refs := idx.Content.Refs["index.json"]; refs != nil {
+		t.Errorf("oci: index.json is content of %q, want no image's", refs)
+	}
+}
+
 func readIndex(a airgap.Archive) (*airgap.Index, error) {
 	idx, _, err := airgap.ReadFile(a)
 	return idx, err

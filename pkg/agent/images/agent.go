@@ -344,6 +344,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.setPlan()
 	var releases []release
 	snap := listedStore() // one list of the store verifies every unchanged archive
+	defer snap.endImports(ctx, a.importer)
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
 	// Archives are imported side by side, then recorded in order; a reference two of them provide
 	// with the same image is pinned for the first by name, whichever creates it.
@@ -491,7 +492,9 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 	if idx != nil {
 		a.read[ar.Name()] = idx
 	}
-	rep, releases := a.load(ctx, lookupStore(), ar, idx, d, err)
+	snap := lookupStore()
+	rep, releases := a.load(ctx, snap, ar, idx, d, err)
+	snap.endImports(ctx, a.importer)
 	a.replan()
 	a.release(ctx, releases)
 	return rep
@@ -517,6 +520,7 @@ func (a *Agent) importArchive(ctx context.Context, snap *storeSnapshot, ar airga
 	}
 	rep.Format, rep.Shadowed = idx.Format, a.plan.owners.shadowed(ar.Name())
 	refs, imported, loadErr := a.importer.Load(ctx, a.plan.owners.loadable(idx), snap, a.plan.owners.of)
+	idx.Content = nil // what its import needed; the agent keeps the index for its plan
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
 	for _, r := range refs {
 		switch {

@@ -1,6 +1,7 @@
 package images
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -21,6 +22,7 @@ import (
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/sirupsen/logrus"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
@@ -67,22 +69,28 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 	if err != nil {
 		return nil, false, err
 	}
+	var failed []failedImage
 	if !complete {
 		// The lease holds the imported content until the references exist: released earlier,
 		// containerd's GC may collect content that no image refers to yet.
-		lease, err := im.cd.Leases.Create(ctx, leases.WithRandomID(), leases.WithExpiration(24*time.Hour), leases.WithLabels(im.leaseLabels))
+		lease, err := snap.importLease(ctx, im)
 		if err != nil {
 			return nil, false, fmt.Errorf("lease: %w", err)
 		}
-		defer im.cd.Leases.Delete(context.WithoutCancel(ctx), lease)
-		ctx = leases.WithLease(ctx, lease.ID)
-		all, err := im.importTarball(ctx, snap, idx.Archive)
+		ctx = leases.WithLease(ctx, lease)
+		all, committed, err := im.importTarball(ctx, snap, idx)
 		if err != nil {
 			return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
 		targets, imported = indexed(all, idx), true
 		snap.wrote()
 		faultPoint("import") // content imported, no reference created yet
+		targets, failed = im.checkImported(ctx, targets, committed)
+	}
+	for _, f := range failed {
+		for _, name := range References(f.img.Name, f.img.Target.Digest, im.extraRegistries) {
+			refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", f.img.Name, f.err)}})
+		}
 	}
 	for _, img := range targets {
 		// A reference two tarballs provide with the same image is loaded by both, side by side:
@@ -92,22 +100,6 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			source = idx.Archive.Name()
 		}
 		names := References(img.Name, img.Target.Digest, im.extraRegistries)
-		if imported {
-			// The index checked entries by name; a blob whose content does not match the digest
-			// its name claims is stored under its real digest, and the image would lack it.
-			err := im.complete(ctx, img.Target)
-			if err == nil {
-				// Before any name points at it: without its GC labels, the image's content goes
-				// with the lease.
-				err = im.labelContent(ctx, img)
-			}
-			if err != nil {
-				for _, name := range names {
-					refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", img.Name, err)}})
-				}
-				continue
-			}
-		}
 		for _, name := range names {
 			// As the snapshot has it (a restore's asks now: a Get, not a Create refused and a Get).
 			listed, ok, err := im.image(ctx, snap, name)
@@ -129,58 +121,153 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 	return refs, imported, nil
 }
 
-// labelContent gives each blob of an imported image the labels it needs, in one write per blob:
-// on a manifest or an index, containerd's GC labels naming its children (what keeps them once the
-// import's lease ends, as containerd's own import sets them); on every blob, containerd's
-// distribution-source labels, as k3s sets them: the embedded registry (spegel) serves content to
-// peers only for the registries these name, the image's own and each --airgap-extra-registry,
-// with the repository path as value. Only these keys are written. One write, not one per kind of
-// label: a cold load waits on containerd's transactions, one per write.
-func (im *importer) labelContent(ctx context.Context, img images.Image) error {
-	sources := map[string]string{}
-	if named, err := reference.ParseDockerRef(img.Name); err == nil { // else no registry to name
-		for _, reg := range append([]string{reference.Domain(named)}, im.extraRegistries...) {
-			sources[containerdlabels.LabelDistributionSource+"."+strings.TrimSuffix(reg, "/")] = reference.Path(named)
+// failedImage is an imported image that cannot be named: its content is incomplete, or could not
+// be labelled.
+type failedImage struct {
+	img images.Image
+	err error
+}
+
+// checkImported returns the imported targets that are complete for the node's platform, each
+// blob labelled (labelContent), and the others with why. Before any name points at them: without
+// its GC labels, an image's content goes with the lease.
+func (im *importer) checkImported(ctx context.Context, targets []images.Image, committed map[digest.Digest]map[string]string) (ok []images.Image, failed []failedImage) {
+	for _, img := range targets {
+		// The index checked entries by name; a blob whose content does not match the digest its
+		// name claims is stored under its real digest, and the image would lack it.
+		if err := im.complete(ctx, img.Target); err != nil {
+			failed = append(failed, failedImage{img, err})
+		} else {
+			ok = append(ok, img)
 		}
 	}
+	if err := im.labelContent(ctx, ok, committed); err != nil {
+		for _, img := range ok {
+			failed = append(failed, failedImage{img, err})
+		}
+		return nil, failed
+	}
+	return ok, failed
+}
+
+// blobLabels are the labels one blob needs: on a manifest or an index, containerd's GC labels
+// naming its children (what keeps them once the import's lease ends, as containerd's own import
+// sets them); on every blob, containerd's distribution-source labels, as k3s sets them: the
+// embedded registry (spegel) serves content to peers only for the registries these name, the
+// image's own and each --airgap-extra-registry, with the repositories of refs (the images the
+// blob is content of) as value, sorted and comma-separated as containerd writes them.
+func (im *importer) blobLabels(refs []string, children []ocispec.Descriptor) map[string]string {
+	labels := map[string]string{}
+	for _, ref := range refs {
+		named, err := reference.ParseDockerRef(ref)
+		if err != nil {
+			continue // no registry to name
+		}
+		for _, reg := range append([]string{reference.Domain(named)}, im.extraRegistries...) {
+			key := containerdlabels.LabelDistributionSource + "." + strings.TrimSuffix(reg, "/")
+			labels[key] = joinRepositories(labels[key], reference.Path(named))
+		}
+	}
+	seen := map[string]int{}
+	for _, child := range children {
+		// Numbered as containerd's images.SetChildrenLabels numbers them.
+		for _, key := range images.ChildGCLabels(child) {
+			n := seen[key]
+			seen[key] = n + 1
+			if n > 0 || strings.HasSuffix(key, ".") {
+				key = fmt.Sprintf("%s%d", key, n)
+			}
+			labels[key] = child.Digest.String()
+		}
+	}
+	return labels
+}
+
+// joinRepositories is a distribution-source label's value with the repositories of another added.
+func joinRepositories(value, add string) string {
+	repos := strings.Split(add, ",")
+	if value != "" {
+		repos = append(repos, strings.Split(value, ",")...)
+	}
+	slices.Sort(repos)
+	return strings.Join(slices.Compact(repos), ",")
+}
+
+// withLabels are have's labels with want's set, a distribution-source label's repositories added
+// to those it names, and the keys that changed.
+func withLabels(have, want map[string]string) (map[string]string, []string) {
+	out := map[string]string{}
+	var changed []string
+	for _, key := range slices.Sorted(maps.Keys(want)) {
+		v := want[key]
+		if strings.HasPrefix(key, containerdlabels.LabelDistributionSource+".") {
+			v = joinRepositories(have[key], v)
+		}
+		out[key] = v
+		if have[key] != v {
+			changed = append(changed, key)
+		}
+	}
+	return out, changed
+}
+
+// labelContent gives each blob of the imported targets the labels it needs (blobLabels), for all
+// the targets it is content of, in one write per blob, and none for a blob committed with them
+// (committed: the labels each blob was committed with, archiveImport). Only these keys are
+// written. A cold load waits on containerd's transactions, one per write.
+func (im *importer) labelContent(ctx context.Context, targets []images.Image, committed map[digest.Digest]map[string]string) error {
 	cs := im.cd.Content
-	label := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
-		children, err := images.Children(ctx, cs, desc)
+	var order []digest.Digest
+	refs, children := map[digest.Digest][]string{}, map[digest.Digest][]ocispec.Descriptor{}
+	for _, img := range targets {
+		walk := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
+			if _, ok := refs[desc.Digest]; !ok {
+				kids, err := images.Children(ctx, cs, desc)
+				if errdefs.IsNotFound(err) {
+					return nil, nil // another platform's content, left out of the archive
+				}
+				if err != nil {
+					return nil, err
+				}
+				order, children[desc.Digest] = append(order, desc.Digest), kids
+			}
+			if !slices.Contains(refs[desc.Digest], img.Name) {
+				refs[desc.Digest] = append(refs[desc.Digest], img.Name)
+			}
+			return children[desc.Digest], nil
+		})
+		if err := images.Walk(ctx, walk, img.Target); err != nil {
+			return err
+		}
+	}
+	for _, d := range order {
+		want := im.blobLabels(refs[d], children[d])
+		if _, changed := withLabels(committed[d], want); len(want) == 0 || len(changed) == 0 {
+			continue
+		}
+		info, err := cs.Info(ctx, d)
 		if errdefs.IsNotFound(err) {
-			return nil, nil // another platform's content, left out of the archive
+			continue // another platform's layer, left out of the archive
 		}
 		if err != nil {
-			return nil, err
+			return fmt.Errorf("labels of %s: %w", d, err)
 		}
-		info := content.Info{Digest: desc.Digest, Labels: maps.Clone(sources)}
-		seen := map[string]int{}
-		for _, child := range children {
-			// Numbered as containerd's images.SetChildrenLabels numbers them.
-			for _, key := range images.ChildGCLabels(child) {
-				n := seen[key]
-				seen[key] = n + 1
-				if n > 0 || strings.HasSuffix(key, ".") {
-					key = fmt.Sprintf("%s%d", key, n)
-				}
-				info.Labels[key] = child.Digest.String()
-			}
+		labels, changed := withLabels(info.Labels, want)
+		if len(changed) == 0 {
+			continue
 		}
-		if len(info.Labels) == 0 {
-			return children, nil
-		}
-		fields := make([]string, 0, len(info.Labels))
-		for _, key := range slices.Sorted(maps.Keys(info.Labels)) {
+		fields := make([]string, 0, len(changed))
+		for _, key := range changed {
 			fields = append(fields, pinning.LabelField(key))
 		}
-		if _, err := cs.Update(ctx, info, fields...); err != nil {
+		if _, err := cs.Update(ctx, content.Info{Digest: d, Labels: labels}, fields...); err != nil {
 			if errdefs.IsNotFound(err) {
-				return nil, nil // another platform's layer, left out of the archive
+				continue
 			}
-			return nil, fmt.Errorf("labels of %s: %w", desc.Digest, err)
+			return fmt.Errorf("labels of %s: %w", d, err)
 		}
-		return children, nil
-	})
-	return images.Walk(ctx, label, img.Target)
+	}
+	return nil
 }
 
 // indexed are the imported images that idx lists: an archive whose claim on a reference another
@@ -266,6 +353,37 @@ type storeSnapshot struct {
 	// what containerd's import of a docker archive looks for, collected in the same walk.
 	compressed map[digest.Digest][]content.Info
 	written    bool // a load wrote to the store after the snapshot was taken
+	// lease holds what the loads of this sync or restore import until their references exist:
+	// one for all of them, made at the first import and ended with the sync (endImports). A
+	// lease is two of containerd's transactions, and a cold load waits on them.
+	lease *leases.Lease
+}
+
+// importLease is the lease of the snapshot's imports, made at the first.
+func (snap *storeSnapshot) importLease(ctx context.Context, im *importer) (string, error) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	if snap.lease == nil {
+		lease, err := im.cd.Leases.Create(ctx, leases.WithRandomID(), leases.WithExpiration(24*time.Hour), leases.WithLabels(im.leaseLabels))
+		if err != nil {
+			return "", err
+		}
+		snap.lease = &lease
+	}
+	return snap.lease.ID, nil
+}
+
+// endImports ends the lease of the snapshot's imports, once every load has created its references:
+// what they imported and no reference holds is containerd's GC's.
+func (snap *storeSnapshot) endImports(ctx context.Context, im *importer) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	if snap.lease != nil {
+		if err := im.cd.Leases.Delete(context.WithoutCancel(ctx), *snap.lease); err != nil && !errdefs.IsNotFound(err) {
+			logrus.Warnf("import lease %s: %v (it expires in 24 hours)", snap.lease.ID, err)
+		}
+		snap.lease = nil
+	}
 }
 
 // wrote records that the store no longer is what the snapshot says.
@@ -377,8 +495,16 @@ func (im *importer) walkContent(ctx context.Context, snap *storeSnapshot) error 
 // is found by the next sync, and meanwhile the layer is stored as the archive has it.
 type layerIndexStore struct {
 	content.Store
-	im   *importer
-	snap *storeSnapshot
+	im     *importer
+	snap   *storeSnapshot
+	writes *archiveImport // what the import of one archive writes
+}
+
+func (s layerIndexStore) Writer(ctx context.Context, opts ...content.WriterOpt) (content.Writer, error) {
+	if s.writes == nil {
+		return s.Store.Writer(ctx, opts...)
+	}
+	return s.writes.writer(ctx, s.Store, opts)
 }
 
 // uncompressedFilter is how containerd's import asks for the compressed copies of one layer.
@@ -455,33 +581,35 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 	return found, true, nil
 }
 
-// importTarball imports the content of archive a and returns its named top-level images, as
+// importTarball imports the content of idx's archive and returns its named top-level images, as
 // client.Import does with all platforms and missing content skipped (k3s's options), but creates
-// no image record: putRef does, with the pin labels. ctx must carry a lease.
-func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, a airgap.Archive) ([]images.Image, error) {
-	rc, err := airgap.FileOpener(a)()
+// no image record: putRef does, with the pin labels. Each blob the archive's index says which
+// images it is content of is committed with its labels (archiveImport); committed are those
+// labels, by blob. ctx must carry a lease.
+func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx *airgap.Index) (named []images.Image, committed map[digest.Digest]map[string]string, err error) {
+	rc, err := airgap.FileOpener(idx.Archive)()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer rc.Close()
 
 	cs := im.cd.Content
-	index, err := archive.ImportIndex(ctx, layerIndexStore{Store: cs, im: im, snap: snap}, rc)
+	writes := &archiveImport{im: im, idx: idx, committed: map[digest.Digest]map[string]string{}}
+	desc, err := archive.ImportIndex(ctx, layerIndexStore{Store: cs, im: im, snap: snap, writes: writes}, rc)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	// The archive's index only names the images: it is no image's content, and the lease takes it
-	// away. Each named image's content is labelled once it is known complete (labelContent).
-	data, err := content.ReadBlob(ctx, cs, index)
-	if err != nil {
-		return nil, err
+	data, ok := writes.index[desc.Digest]
+	if !ok {
+		if data, err = content.ReadBlob(ctx, cs, desc); err != nil {
+			return nil, nil, err
+		}
 	}
-	var idx ocispec.Index
-	if err := json.Unmarshal(data, &idx); err != nil {
-		return nil, err
+	var index ocispec.Index
+	if err := json.Unmarshal(data, &index); err != nil {
+		return nil, nil, err
 	}
-	var named []images.Image
-	for _, m := range idx.Manifests {
+	for _, m := range index.Manifests {
 		name := m.Annotations[images.AnnotationImageName]
 		if name == "" {
 			name = m.Annotations[ocispec.AnnotationRefName]
@@ -491,10 +619,199 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, a ai
 		}
 	}
 	if len(named) == 0 {
-		return nil, errors.New("the archive names no image")
+		return nil, nil, errors.New("the archive names no image")
 	}
-	return named, nil
+	return named, writes.committed, nil
 }
+
+// archiveImport is what containerd's import of one archive writes, as its content store
+// (layerIndexStore) sees it. Each blob the archive's index describes (airgap.Content) is
+// committed with the labels it needs (blobLabels): a cold load then writes no labels of its own.
+// What the index cannot tell (an index from a record, a blob that was already there)
+// labelContent labels after the import. The archive's own index, which only names the images, is
+// kept here and not written: it is no image's content (the lease would take it away), and its
+// write was two of containerd's transactions per archive. A cold load waits on them.
+type archiveImport struct {
+	im  *importer
+	idx *airgap.Index
+
+	mu        sync.Mutex
+	committed map[digest.Digest]map[string]string // each blob's labels, as committed
+	index     map[digest.Digest][]byte            // the archive's own index
+}
+
+// writer opens the writer of containerd's import with opts: the blob committed with its labels,
+// or, for the archive's own index, a writer that keeps its bytes here.
+func (ai *archiveImport) writer(ctx context.Context, cs content.Ingester, opts []content.WriterOpt) (content.Writer, error) {
+	var wo content.WriterOpts
+	for _, opt := range opts {
+		if err := opt(&wo); err != nil {
+			return nil, err
+		}
+	}
+	name, file := strings.CutPrefix(wo.Ref, "tar-")
+	if file && name == ocispec.ImageIndexFile || strings.HasPrefix(wo.Ref, "manifest-") && images.IsIndexType(wo.Desc.MediaType) {
+		// An OCI layout's index.json, or the index containerd writes for a docker archive.
+		return &indexWriter{ai: ai, ref: wo.Ref, digester: digest.Canonical.Digester()}, nil
+	}
+	w, err := cs.Writer(ctx, opts...)
+	if err != nil {
+		return nil, err
+	}
+	lw := &labelledWriter{Writer: w, ai: ai}
+	switch {
+	case file && ai.idx.Content != nil:
+		// A file of the archive: its images, and its children if it is a manifest or index.
+		lw.refs = ai.idx.Content.Refs[name]
+		lw.desc.MediaType = ai.idx.Content.MediaTypes[name]
+		if d, err := digest.Parse(strings.ReplaceAll(strings.TrimPrefix(name, "blobs/"), "/", ":")); err == nil {
+			lw.desc.Digest = d
+		}
+		if len(lw.refs) == 0 {
+			return w, nil
+		}
+	case strings.HasPrefix(wo.Ref, "manifest-") && images.IsManifestType(wo.Desc.MediaType):
+		// The manifest containerd writes for an image of a docker archive: the images with its
+		// config (their image ID), once its bytes are read.
+		lw.desc = wo.Desc
+	default:
+		return w, nil // a write the archive's index does not describe
+	}
+	if images.IsManifestType(lw.desc.MediaType) || images.IsIndexType(lw.desc.MediaType) {
+		if lw.desc.Digest == "" {
+			return w, nil // its bytes cannot be checked against its name
+		}
+		lw.data = &bytes.Buffer{}
+	}
+	return lw, nil
+}
+
+// indexWriter keeps the archive's own index in memory, for importTarball to read.
+type indexWriter struct {
+	ai       *archiveImport
+	ref      string
+	data     bytes.Buffer
+	digester digest.Digester
+}
+
+func (w *indexWriter) Write(p []byte) (int, error) {
+	w.data.Write(p)
+	return w.digester.Hash().Write(p)
+}
+
+func (w *indexWriter) Commit(_ context.Context, size int64, expected digest.Digest, _ ...content.Opt) error {
+	d := w.digester.Digest()
+	if size > 0 && size != int64(w.data.Len()) || expected != "" && expected != d {
+		return fmt.Errorf("%s: %d bytes of digest %s, want %d of %s", w.ref, w.data.Len(), d, size, expected)
+	}
+	w.ai.mu.Lock()
+	defer w.ai.mu.Unlock()
+	if w.ai.index == nil {
+		w.ai.index = map[digest.Digest][]byte{}
+	}
+	w.ai.index[d] = w.data.Bytes()
+	return nil
+}
+
+func (w *indexWriter) Status() (content.Status, error) {
+	return content.Status{Ref: w.ref, Offset: int64(w.data.Len())}, nil
+}
+
+func (w *indexWriter) Digest() digest.Digest { return w.digester.Digest() }
+
+func (w *indexWriter) Truncate(size int64) error {
+	if size != 0 {
+		return fmt.Errorf("%s: truncate to %d: only to 0", w.ref, size)
+	}
+	w.data.Reset()
+	w.digester = digest.Canonical.Digester()
+	return nil
+}
+
+func (w *indexWriter) Close() error { return nil }
+
+// labelledWriter is a writer of containerd's import that commits its blob with its labels.
+type labelledWriter struct {
+	content.Writer
+	ai   *archiveImport
+	refs []string           // the images the blob is content of
+	desc ocispec.Descriptor // its media type and digest, when the name says it
+	data *bytes.Buffer      // a manifest's or index's bytes, whose children it names
+}
+
+func (w *labelledWriter) Write(p []byte) (int, error) {
+	n, err := w.Writer.Write(p)
+	if w.data != nil {
+		w.data.Write(p[:n])
+	}
+	return n, err
+}
+
+// Truncate is content.Copy's restart of a write: what was kept of the bytes no longer is them.
+func (w *labelledWriter) Truncate(size int64) error {
+	if w.data != nil && size == 0 {
+		w.data.Reset()
+	} else {
+		w.data = nil
+	}
+	return w.Writer.Truncate(size)
+}
+
+func (w *labelledWriter) Commit(ctx context.Context, size int64, expected digest.Digest, opts ...content.Opt) error {
+	labels, ok := w.labels()
+	if !ok {
+		return w.Writer.Commit(ctx, size, expected, opts...)
+	}
+	if err := w.Writer.Commit(ctx, size, expected, append(opts, content.WithLabels(labels))...); err != nil {
+		return err
+	}
+	w.ai.mu.Lock()
+	w.ai.committed[w.Writer.Digest()] = labels
+	w.ai.mu.Unlock()
+	return nil
+}
+
+// labels are the blob's labels; false when they cannot be told: a manifest or index whose bytes
+// were not all seen (a resumed write), or are not what its name says.
+func (w *labelledWriter) labels() (map[string]string, bool) {
+	if w.data == nil && (images.IsManifestType(w.desc.MediaType) || images.IsIndexType(w.desc.MediaType)) {
+		return nil, false
+	}
+	var children []ocispec.Descriptor
+	if w.data != nil {
+		if digest.FromBytes(w.data.Bytes()) != w.desc.Digest {
+			return nil, false
+		}
+		var err error
+		if children, err = images.Children(context.Background(), oneBlob(w.data.Bytes()), w.desc); err != nil {
+			return nil, false
+		}
+	}
+	refs := w.refs
+	if refs == nil && len(children) > 0 {
+		// A docker archive's manifest is content of the images whose config it names.
+		for _, img := range w.ai.idx.Images {
+			if img.ImageID == children[0].Digest {
+				refs = append(refs, img.Ref)
+			}
+		}
+	}
+	if len(refs) == 0 {
+		return nil, false
+	}
+	return w.ai.im.blobLabels(refs, children), true
+}
+
+// oneBlob is a content.Provider of one blob's bytes, for images.Children to read what a writer saw.
+type oneBlob []byte
+
+func (b oneBlob) ReaderAt(context.Context, ocispec.Descriptor) (content.ReaderAt, error) {
+	return blobReader{bytes.NewReader(b)}, nil
+}
+
+type blobReader struct{ *bytes.Reader }
+
+func (blobReader) Close() error { return nil }
 
 // criStatus is the CRI's status of ref. The CRI learns of images from containerd's events, so an
 // image a tarball created a moment ago may not be in its view yet: when containerd has ref, the

@@ -68,7 +68,11 @@ func TestKeeperKeepsWhatTheAgentWants(t *testing.T) {
 	if err := agent.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	kept, dropped = keptTags(n, keeper)
+	// The CRI lists what the sync imported once containerd's events reached it.
+	n.await(5*time.Second, "the CRI listing the three imported and three hand-imported images", func() bool {
+		kept, dropped = keptTags(n, keeper)
+		return len(kept)+len(dropped) == 6
+	})
 	wantKept := []string{"acc.example/airgap-multi:1.0", "acc.example/airgap-oci:1.0", "acc.example/airgap:1.0", "other.example/labelled:1.0", "registry.local/team/tool:1.0"}
 	if !slices.Equal(kept, wantKept) || !slices.Equal(dropped, []string{"other.example/unwanted:1.0"}) {
 		t.Errorf("kept %v, dropped %v; want kept %v, dropped only the unwanted hand import", kept, dropped, wantKept)

@@ -91,7 +91,7 @@ func (o *owners) loadable(idx *airgap.Index) *airgap.Index {
 	for _, c := range lost {
 		skip[c.Ref] = true
 	}
-	out := &airgap.Index{Archive: idx.Archive, Format: idx.Format}
+	out := &airgap.Index{Archive: idx.Archive, Format: idx.Format, Content: idx.Content}
 	for _, img := range idx.Images {
 		if !skip[img.Ref] {
 			out.Images = append(out.Images, img)
