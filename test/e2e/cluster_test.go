@@ -1293,8 +1293,8 @@ func (c *cluster) killMidImport(r *clusterReport) {
 		c.t.Errorf("%s: %s after the restart: %s", agent2.name, clusterBigRef, whole)
 	}
 	// The killed import's lease is deleted by the restarted agent's first sync; the lease of its
-	// own import of big outlives the pinned reference by the end of that import (the lease goes
-	// when the load returns, after its last name), so the leases are asked for until ours are
+	// own import of big outlives the pinned reference (the lease of a sync's imports goes when
+	// the sync ends, after every archive's last name), so the leases are asked for until ours are
 	// gone, 30 s at most: one there then is left behind. (A single list right after the pins saw
 	// that import's lease once, in make test.)
 	var ours int

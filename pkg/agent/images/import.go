@@ -78,14 +78,14 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			return nil, false, fmt.Errorf("lease: %w", err)
 		}
 		ctx = leases.WithLease(ctx, lease)
-		all, committed, err := im.importTarball(ctx, snap, idx)
+		all, writes, err := im.importTarball(ctx, snap, idx)
 		if err != nil {
 			return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: err}
 		}
 		targets, imported = indexed(all, idx), true
 		snap.wrote()
 		faultPoint("import") // content imported, no reference created yet
-		targets, failed = im.checkImported(ctx, targets, committed)
+		targets, failed = im.checkImported(ctx, targets, writes)
 	}
 	for _, f := range failed {
 		for _, name := range References(f.img.Name, f.img.Target.Digest, im.extraRegistries) {
@@ -130,18 +130,19 @@ type failedImage struct {
 
 // checkImported returns the imported targets that are complete for the node's platform, each
 // blob labelled (labelContent), and the others with why. Before any name points at them: without
-// its GC labels, an image's content goes with the lease.
-func (im *importer) checkImported(ctx context.Context, targets []images.Image, committed map[digest.Digest]map[string]string) (ok []images.Image, failed []failedImage) {
+// its GC labels, an image's content goes with the lease. The manifests and indexes the import
+// wrote are read from what its writers saw (writes).
+func (im *importer) checkImported(ctx context.Context, targets []images.Image, writes *archiveImport) (ok []images.Image, failed []failedImage) {
 	for _, img := range targets {
 		// The index checked entries by name; a blob whose content does not match the digest its
 		// name claims is stored under its real digest, and the image would lack it.
-		if err := im.complete(ctx, img.Target); err != nil {
+		if err := complete(ctx, writes, img.Target); err != nil {
 			failed = append(failed, failedImage{img, err})
 		} else {
 			ok = append(ok, img)
 		}
 	}
-	if err := im.labelContent(ctx, ok, committed); err != nil {
+	if err := im.labelContent(ctx, writes, ok); err != nil {
 		for _, img := range ok {
 			failed = append(failed, failedImage{img, err})
 		}
@@ -212,17 +213,17 @@ func withLabels(have, want map[string]string) (map[string]string, []string) {
 }
 
 // labelContent gives each blob of the imported targets the labels it needs (blobLabels), for all
-// the targets it is content of, in one write per blob, and none for a blob committed with them
-// (committed: the labels each blob was committed with, archiveImport). Only these keys are
-// written. A cold load waits on containerd's transactions, one per write.
-func (im *importer) labelContent(ctx context.Context, targets []images.Image, committed map[digest.Digest]map[string]string) error {
+// the targets it is content of, in one write per blob, and none for a blob writes committed with
+// them. Only these keys are written. A cold load waits on containerd's transactions, one per
+// write.
+func (im *importer) labelContent(ctx context.Context, writes *archiveImport, targets []images.Image) error {
 	cs := im.cd.Content
 	var order []digest.Digest
 	refs, children := map[digest.Digest][]string{}, map[digest.Digest][]ocispec.Descriptor{}
 	for _, img := range targets {
 		walk := images.HandlerFunc(func(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error) {
 			if _, ok := refs[desc.Digest]; !ok {
-				kids, err := images.Children(ctx, cs, desc)
+				kids, err := images.Children(ctx, writes, desc)
 				if errdefs.IsNotFound(err) {
 					return nil, nil // another platform's content, left out of the archive
 				}
@@ -242,7 +243,7 @@ func (im *importer) labelContent(ctx context.Context, targets []images.Image, co
 	}
 	for _, d := range order {
 		want := im.blobLabels(refs[d], children[d])
-		if _, changed := withLabels(committed[d], want); len(want) == 0 || len(changed) == 0 {
+		if _, changed := withLabels(writes.committed[d], want); len(want) == 0 || len(changed) == 0 {
 			continue
 		}
 		info, err := cs.Info(ctx, d)
@@ -286,9 +287,10 @@ func indexed(imported []images.Image, idx *airgap.Index) []images.Image {
 	return out
 }
 
-// complete checks that the node's platform of the image target has all its content in the store.
-func (im *importer) complete(ctx context.Context, target ocispec.Descriptor) error {
-	available, _, _, missing, err := images.Check(ctx, im.cd.Content, target, platforms.Default())
+// complete checks that the node's platform of the image target has all its content in the store
+// provider reads.
+func complete(ctx context.Context, provider content.Provider, target ocispec.Descriptor) error {
+	available, _, _, missing, err := images.Check(ctx, provider, target, platforms.Default())
 	if err != nil {
 		return err
 	}
@@ -584,9 +586,9 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 // importTarball imports the content of idx's archive and returns its named top-level images, as
 // client.Import does with all platforms and missing content skipped (k3s's options), but creates
 // no image record: putRef does, with the pin labels. Each blob the archive's index says which
-// images it is content of is committed with its labels (archiveImport); committed are those
-// labels, by blob. ctx must carry a lease.
-func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx *airgap.Index) (named []images.Image, committed map[digest.Digest]map[string]string, err error) {
+// images it is content of is committed with its labels; writes is what the import wrote
+// (archiveImport). ctx must carry a lease.
+func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx *airgap.Index) (named []images.Image, writes *archiveImport, err error) {
 	rc, err := airgap.FileOpener(idx.Archive)()
 	if err != nil {
 		return nil, nil, err
@@ -594,16 +596,14 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx 
 	defer rc.Close()
 
 	cs := im.cd.Content
-	writes := &archiveImport{im: im, idx: idx, committed: map[digest.Digest]map[string]string{}}
+	writes = &archiveImport{im: im, idx: idx, committed: map[digest.Digest]map[string]string{}, seen: map[digest.Digest][]byte{}}
 	desc, err := archive.ImportIndex(ctx, layerIndexStore{Store: cs, im: im, snap: snap, writes: writes}, rc)
 	if err != nil {
 		return nil, nil, err
 	}
-	data, ok := writes.index[desc.Digest]
-	if !ok {
-		if data, err = content.ReadBlob(ctx, cs, desc); err != nil {
-			return nil, nil, err
-		}
+	data, err := content.ReadBlob(ctx, writes, desc)
+	if err != nil {
+		return nil, nil, err
 	}
 	var index ocispec.Index
 	if err := json.Unmarshal(data, &index); err != nil {
@@ -621,7 +621,7 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx 
 	if len(named) == 0 {
 		return nil, nil, errors.New("the archive names no image")
 	}
-	return named, writes.committed, nil
+	return named, writes, nil
 }
 
 // archiveImport is what containerd's import of one archive writes, as its content store
@@ -630,14 +630,26 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx 
 // What the index cannot tell (an index from a record, a blob that was already there)
 // labelContent labels after the import. The archive's own index, which only names the images, is
 // kept here and not written: it is no image's content (the lease would take it away), and its
-// write was two of containerd's transactions per archive. A cold load waits on them.
+// write was two of containerd's transactions per archive. A cold load waits on them. As a
+// content.Provider it reads the manifests and indexes it saw written from their bytes, and the
+// rest from containerd: checking and labelling the imported images reads each of them again.
 type archiveImport struct {
 	im  *importer
 	idx *airgap.Index
 
 	mu        sync.Mutex
 	committed map[digest.Digest]map[string]string // each blob's labels, as committed
-	index     map[digest.Digest][]byte            // the archive's own index
+	seen      map[digest.Digest][]byte            // manifests and indexes as written; the archive's own index
+}
+
+func (ai *archiveImport) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.ReaderAt, error) {
+	ai.mu.Lock()
+	data, ok := ai.seen[desc.Digest]
+	ai.mu.Unlock()
+	if ok {
+		return blobReader{bytes.NewReader(data)}, nil
+	}
+	return ai.im.cd.Content.ReaderAt(ctx, desc)
 }
 
 // writer opens the writer of containerd's import with opts: the blob committed with its labels,
@@ -706,10 +718,7 @@ func (w *indexWriter) Commit(_ context.Context, size int64, expected digest.Dige
 	}
 	w.ai.mu.Lock()
 	defer w.ai.mu.Unlock()
-	if w.ai.index == nil {
-		w.ai.index = map[digest.Digest][]byte{}
-	}
-	w.ai.index[d] = w.data.Bytes()
+	w.ai.seen[d] = w.data.Bytes()
 	return nil
 }
 
@@ -767,6 +776,9 @@ func (w *labelledWriter) Commit(ctx context.Context, size int64, expected digest
 	}
 	w.ai.mu.Lock()
 	w.ai.committed[w.Writer.Digest()] = labels
+	if w.data != nil {
+		w.ai.seen[w.desc.Digest] = w.data.Bytes()
+	}
 	w.ai.mu.Unlock()
 	return nil
 }
