@@ -503,10 +503,58 @@ type layerIndexStore struct {
 }
 
 func (s layerIndexStore) Writer(ctx context.Context, opts ...content.WriterOpt) (content.Writer, error) {
-	if s.writes == nil {
-		return s.Store.Writer(ctx, opts...)
-	}
 	return s.writes.writer(ctx, s.Store, opts)
+}
+
+// writerStalled is how long another writer of a ref may write nothing before the import writes
+// the blob under a ref of its own (openWriter).
+var writerStalled = 10 * time.Second
+
+// openWriter opens a writer of cs with opts, and gets past a ref whose lock containerd lost.
+// containerd's metadata store takes a ref's lock inside the transaction that records the ingest;
+// when that transaction fails to commit (a full disk: "write meta.db: no space left on device")
+// it returns the error and keeps the lock until it restarts. Every later writer of the ref is then
+// told it is locked, and containerd's client (content.OpenWriter) waits for as long as its context
+// lasts: a sync that never ends once the disk has room again (seen on containerd 1.7.35; 2.2's
+// code is the same). A locked ref whose ingest containerd has no record of, or whose data has not
+// grown for writerStalled, is written under a ref of its own; a writer at work is waited for, as
+// the client does.
+func openWriter(ctx context.Context, cs content.Store, opts []content.WriterOpt) (content.Writer, error) {
+	w, err := cs.Writer(ctx, opts...)
+	if !errdefs.IsUnavailable(err) {
+		return w, err
+	}
+	var wo content.WriterOpts
+	for _, opt := range opts {
+		if opt(&wo) != nil {
+			return nil, err
+		}
+	}
+	offset, since := int64(-1), time.Now()
+	for {
+		st, serr := cs.Status(ctx, wo.Ref)
+		if errdefs.IsNotFound(serr) {
+			break // locked, yet no ingest: the lock of a transaction that failed
+		} else if serr != nil {
+			return nil, err
+		}
+		if st.Offset != offset {
+			offset, since = st.Offset, time.Now()
+		} else if time.Since(since) >= writerStalled {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(writerStalled / 20):
+		}
+		if w, err = cs.Writer(ctx, opts...); !errdefs.IsUnavailable(err) {
+			return w, err
+		}
+	}
+	own := fmt.Sprintf("%s-%d", wo.Ref, time.Now().UnixNano())
+	logrus.Warnf("containerd holds the lock of %s with no writer at work on it (%v): writing it as %s", wo.Ref, err, own)
+	return cs.Writer(ctx, append(slices.Clip(opts), content.WithRef(own))...)
 }
 
 // uncompressedFilter is how containerd's import asks for the compressed copies of one layer.
@@ -654,7 +702,7 @@ func (ai *archiveImport) ReaderAt(ctx context.Context, desc ocispec.Descriptor) 
 
 // writer opens the writer of containerd's import with opts: the blob committed with its labels,
 // or, for the archive's own index, a writer that keeps its bytes here.
-func (ai *archiveImport) writer(ctx context.Context, cs content.Ingester, opts []content.WriterOpt) (content.Writer, error) {
+func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []content.WriterOpt) (content.Writer, error) {
 	var wo content.WriterOpts
 	for _, opt := range opts {
 		if err := opt(&wo); err != nil {
@@ -666,7 +714,7 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Ingester, opts [
 		// An OCI layout's index.json, or the index containerd writes for a docker archive.
 		return &indexWriter{ai: ai, ref: wo.Ref, digester: digest.Canonical.Digester()}, nil
 	}
-	w, err := cs.Writer(ctx, opts...)
+	w, err := openWriter(ctx, cs, opts)
 	if err != nil {
 		return nil, err
 	}
