@@ -11,7 +11,6 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/urfave/cli/v2"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 )
@@ -62,7 +61,7 @@ func statusCluster(ctx context.Context, stdout io.Writer, o *options) error {
 		return cli.Exit(fmt.Sprintf("status --cluster: %v (set --kubeconfig)", err), exitUsage)
 	}
 	cfg.Timeout = 30 * time.Second
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := cluster.NewClient(cfg)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("status --cluster: kubeconfig %s: %v", path, err), exitUsage)
 	}

@@ -20,9 +20,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
@@ -87,7 +84,7 @@ func ForKubeconfig(path, node string) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := NewClient(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
 	}
@@ -105,7 +102,7 @@ func NodeName() (string, error) {
 // event recorder (deduplicated, and rate-limited per reason so that a flapping disk cannot flood
 // the API server), and its protection as the node condition ConditionType, kept current by Run.
 type Node struct {
-	client   kubernetes.Interface
+	client   *Client
 	node     string
 	recorder record.EventRecorder
 	stop     func()
@@ -116,16 +113,16 @@ type Node struct {
 }
 
 // NewNode reports on node through client. Run it to have the condition written.
-func NewNode(client kubernetes.Interface, node string) *Node {
+func NewNode(client *Client, node string) *Node {
 	// The correlator aggregates events that differ only in their message and counts repeats of
 	// the same one in a single Event; its spam filter lets 25 through per node and reason, then
 	// one each 5 minutes (client-go's defaults, the kubelet's too, set here on purpose).
 	b := record.NewBroadcasterWithCorrelatorOptions(record.CorrelatorOptions{BurstSize: 25, QPS: 1.0 / 300})
-	b.StartRecordingToSink(retryingSink{&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")}})
+	b.StartRecordingToSink(retryingSink{eventSink{client.core}})
 	return &Node{
 		client:   client,
 		node:     node,
-		recorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: Component, Host: node}),
+		recorder: b.NewRecorder(scheme, corev1.EventSource{Component: Component, Host: node}),
 		stop:     b.Shutdown,
 		changed:  make(chan struct{}, 1),
 	}
@@ -253,7 +250,7 @@ func Condition(p images.Protection, now time.Time) corev1.NodeCondition {
 // writeCondition patches the Node's status with the condition for p. The transition time stays
 // the one the Node shows while the status does not change.
 func (r *Node) writeCondition(ctx context.Context, p images.Protection) error {
-	node, err := r.client.CoreV1().Nodes().Get(ctx, r.node, metav1.GetOptions{})
+	node, err := r.client.getNode(ctx, r.node)
 	if err != nil {
 		return err
 	}
@@ -268,8 +265,7 @@ func (r *Node) writeCondition(ctx context.Context, p images.Protection) error {
 	if err != nil {
 		return err
 	}
-	_, err = r.client.CoreV1().Nodes().PatchStatus(ctx, r.node, patch)
-	return err
+	return r.client.patchNodeStatus(ctx, r.node, patch)
 }
 
 // NodeStatus is one node as status --cluster shows it.
@@ -285,8 +281,8 @@ type NodeStatus struct {
 
 // NodeStatuses lists every node with its condition. A node with no condition (no k3s-pinning
 // on it), or with a heartbeat older than Stale (its agent stopped), is not protected.
-func NodeStatuses(ctx context.Context, client kubernetes.Interface, now time.Time) ([]NodeStatus, error) {
-	nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+func NodeStatuses(ctx context.Context, client *Client, now time.Time) ([]NodeStatus, error) {
+	nodes, err := client.listNodes(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("list nodes: %w", err)
 	}

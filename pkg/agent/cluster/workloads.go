@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -14,7 +15,9 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
@@ -95,7 +98,6 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 		logrus.Infof("k3s-pinning: --pinned-workload-images: access granted; following the cluster's workloads")
 	}
 
-	factory := informers.NewSharedInformerFactoryWithOptions(n.client, 0, informers.WithTransform(trimToPodSpec))
 	changed := make(chan struct{}, 1)
 	poke := func() {
 		select {
@@ -108,11 +110,24 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 		UpdateFunc: func(any, any) { poke() },
 		DeleteFunc: func(any) { poke() },
 	}
-	listers := []func() []corev1.PodSpec{}
-	add := func(inf cache.SharedIndexInformer, spec func(any) *corev1.PodSpec) {
+	var listers []func() []corev1.PodSpec
+	var synced []cache.InformerSynced
+	var running sync.WaitGroup
+	defer running.Wait() // the informers stop with ctx
+	add := func(client rest.Interface, resource string, example runtime.Object, spec func(any) *corev1.PodSpec) {
+		inf := cache.NewSharedIndexInformer(cache.NewListWatchFromClient(client, resource, metav1.NamespaceAll, fields.Everything()), example, 0, cache.Indexers{})
+		if err := inf.SetTransform(trimToPodSpec); err != nil {
+			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
+		}
 		if _, err := inf.AddEventHandler(handler); err != nil {
 			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
 		}
+		running.Add(1)
+		go func() {
+			defer running.Done()
+			inf.Run(ctx.Done())
+		}()
+		synced = append(synced, inf.HasSynced)
 		listers = append(listers, func() []corev1.PodSpec {
 			var out []corev1.PodSpec
 			for _, obj := range inf.GetStore().List() {
@@ -123,20 +138,16 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 			return out
 		})
 	}
-	apps, batch, core := factory.Apps().V1(), factory.Batch().V1(), factory.Core().V1()
-	add(apps.Deployments().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec })
-	add(apps.StatefulSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec })
-	add(apps.DaemonSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec })
-	add(apps.ReplicaSets().Informer(), func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec })
-	add(batch.Jobs().Informer(), func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec })
-	add(batch.CronJobs().Informer(), func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec })
-	add(core.Pods().Informer(), func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec })
-	factory.Start(ctx.Done())
-	defer factory.Shutdown()
-	for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
-		if !ok && ctx.Err() == nil {
-			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v did not sync", typ)
-		}
+	apps, batch, core := n.client.apps, n.client.batch, n.client.core
+	add(apps, "deployments", &appsv1.Deployment{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec })
+	add(apps, "statefulsets", &appsv1.StatefulSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec })
+	add(apps, "daemonsets", &appsv1.DaemonSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec })
+	add(apps, "replicasets", &appsv1.ReplicaSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec })
+	add(batch, "jobs", &batchv1.Job{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec })
+	add(batch, "cronjobs", &batchv1.CronJob{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec })
+	add(core, "pods", &corev1.Pod{}, func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec })
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) && ctx.Err() == nil {
+		logrus.Errorf("k3s-pinning: --pinned-workload-images: the workloads' caches did not sync")
 	}
 	var last []string
 	for {
@@ -202,7 +213,7 @@ func (n *Node) allowed(ctx context.Context, a access) (bool, error) {
 	review := &authorizationv1.SelfSubjectAccessReview{Spec: authorizationv1.SelfSubjectAccessReviewSpec{
 		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: a.verb, Group: a.group, Resource: a.resource},
 	}}
-	got, err := n.client.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, review, metav1.CreateOptions{})
+	got, err := n.client.reviewAccess(ctx, review)
 	if err != nil {
 		return false, err
 	}
