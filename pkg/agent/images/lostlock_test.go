@@ -63,6 +63,21 @@ func lockedBlob(t *testing.T, path string) (name string, data []byte) {
 	}
 }
 
+// lockedBlobNode is a node whose images dir holds app.tar (acc.example/app:1.0), with the lock of
+// one of its blobs (lockedBlob) held by holder, a writer of the test, closed when the test ends.
+func lockedBlobNode(t *testing.T) (n *node, name string, data []byte, holder content.Writer) {
+	t.Helper()
+	n = newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	name, data = lockedBlob(t, filepath.Join(n.imagesDir, "app.tar"))
+	holder, err := n.client.ContentStore().Writer(n.ctx, content.WithRef("tar-"+name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { holder.Close() })
+	return n, name, data, holder
+}
+
 // TestImportGetsPastALostLock: containerd's metadata store takes a ref's lock inside the
 // transaction that records its ingest, and keeps the lock when that transaction fails (CI, on
 // containerd 1.7.35: the disk full while meta.db grew). containerd's client then waits on the
@@ -74,16 +89,8 @@ func TestImportGetsPastALostLock(t *testing.T) {
 	images.SetWriterStalled(t, time.Second)
 	for _, lost := range []string{"no-ingest", "stalled"} {
 		t.Run(lost, func(t *testing.T) {
-			n := newNode(t)
-			writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
-			name, data := lockedBlob(t, filepath.Join(n.imagesDir, "app.tar"))
-			ref := "tar-" + name
-			cs := n.client.ContentStore()
-			holder, err := cs.Writer(n.ctx, content.WithRef(ref))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer holder.Close()
+			n, name, data, holder := lockedBlobNode(t)
+			ref, cs := "tar-"+name, n.client.ContentStore()
 			if _, err := holder.Write(data[:len(data)/2]); err != nil {
 				t.Fatal(err)
 			}
@@ -115,16 +122,8 @@ func TestImportGetsPastALostLock(t *testing.T) {
 // and the import finds it there.
 func TestImportWaitsForAWriterAtWork(t *testing.T) {
 	images.SetWriterStalled(t, time.Second)
-	n := newNode(t)
-	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
-	name, data := lockedBlob(t, filepath.Join(n.imagesDir, "app.tar"))
+	n, name, data, holder := lockedBlobNode(t)
 	ref := "tar-" + name
-	cs := n.client.ContentStore()
-	holder, err := cs.Writer(n.ctx, content.WithRef(ref))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Close()
 	committed := make(chan error, 1)
 	go func() { // a slow writer: 10 chunks, one every 400 ms (the import's patience is 1 s)
 		r := bytes.NewReader(data)
