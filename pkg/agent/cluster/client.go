@@ -21,13 +21,16 @@ import (
 // Kubernetes at start. With them the stripped k3s-pinning binary was 57.5 MB and an idle
 // `k3s-pinning run` 48.0 MiB resident, 41.1 of it the binary's own pages; without them 35.0 MB
 // and 30.0 MiB (24.0).
-var scheme = runtime.NewScheme()
-
-func init() {
+var scheme = func() *runtime.Scheme {
+	s := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, batchv1.AddToScheme, authorizationv1.AddToScheme} {
-		utilruntime.Must(add(scheme))
+		utilruntime.Must(add(s))
 	}
-}
+	return s
+}()
+
+// codecs encode and decode the scheme's objects, without conversion (as client-go's clientset).
+var codecs = serializer.NewCodecFactory(scheme).WithoutConversion()
 
 // Client is the cluster view's access to the API server: one REST client per API group version
 // it uses (core/v1: Nodes, Events, Pods; apps/v1 and batch/v1: the workloads; authorization/v1:
@@ -53,7 +56,7 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 		if gv.Group == "" {
 			gcfg.APIPath = "/api"
 		}
-		gcfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
+		gcfg.NegotiatedSerializer = codecs
 		if gcfg.UserAgent == "" {
 			gcfg.UserAgent = rest.DefaultKubernetesUserAgent()
 		}
@@ -64,6 +67,19 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 		*g.client = rc
 	}
 	return c, nil
+}
+
+// forGroup is the REST client of the API group group.
+func (c *Client) forGroup(group string) rest.Interface {
+	switch group {
+	case appsv1.GroupName:
+		return c.apps
+	case batchv1.GroupName:
+		return c.batch
+	case authorizationv1.GroupName:
+		return c.authorization
+	}
+	return c.core
 }
 
 func (c *Client) getNode(ctx context.Context, name string) (*corev1.Node, error) {

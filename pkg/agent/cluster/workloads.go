@@ -17,7 +17,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
@@ -27,10 +26,23 @@ import (
 // the kinds below, nothing else.
 const WorkloadsClusterRole = "k3s-pinning-workloads"
 
-// workloadKinds are what --pinned-workload-images reads: every kind with a pod template, and Pods.
-var workloadKinds = []struct{ group, resource string }{
-	{"apps", "deployments"}, {"apps", "statefulsets"}, {"apps", "daemonsets"}, {"apps", "replicasets"},
-	{"batch", "jobs"}, {"batch", "cronjobs"}, {"", "pods"},
+// workloadKind is a kind --pinned-workload-images reads: the access it needs and what its
+// informer lists (an object of the kind, and its pod spec).
+type workloadKind struct {
+	group, resource string
+	example         runtime.Object
+	spec            func(any) *corev1.PodSpec
+}
+
+// workloadKinds are every kind with a pod template, and Pods.
+var workloadKinds = []workloadKind{
+	{"apps", "deployments", &appsv1.Deployment{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec }},
+	{"apps", "statefulsets", &appsv1.StatefulSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec }},
+	{"apps", "daemonsets", &appsv1.DaemonSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec }},
+	{"apps", "replicasets", &appsv1.ReplicaSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec }},
+	{"batch", "jobs", &batchv1.Job{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec }},
+	{"batch", "cronjobs", &batchv1.CronJob{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec }},
+	{"", "pods", &corev1.Pod{}, func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec }},
 }
 
 // ReasonWorkloadAccessDenied is the Event of credentials that may not read the workloads.
@@ -114,8 +126,9 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 	var synced []cache.InformerSynced
 	var running sync.WaitGroup
 	defer running.Wait() // the informers stop with ctx
-	add := func(client rest.Interface, resource string, example runtime.Object, spec func(any) *corev1.PodSpec) {
-		inf := cache.NewSharedIndexInformer(cache.NewListWatchFromClient(client, resource, metav1.NamespaceAll, fields.Everything()), example, 0, cache.Indexers{})
+	for _, k := range workloadKinds {
+		lw := cache.NewListWatchFromClient(n.client.forGroup(k.group), k.resource, metav1.NamespaceAll, fields.Everything())
+		inf := cache.NewSharedIndexInformer(lw, k.example, 0, cache.Indexers{})
 		if err := inf.SetTransform(trimToPodSpec); err != nil {
 			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
 		}
@@ -128,6 +141,7 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 			inf.Run(ctx.Done())
 		}()
 		synced = append(synced, inf.HasSynced)
+		spec := k.spec
 		listers = append(listers, func() []corev1.PodSpec {
 			var out []corev1.PodSpec
 			for _, obj := range inf.GetStore().List() {
@@ -138,14 +152,6 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 			return out
 		})
 	}
-	apps, batch, core := n.client.apps, n.client.batch, n.client.core
-	add(apps, "deployments", &appsv1.Deployment{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec })
-	add(apps, "statefulsets", &appsv1.StatefulSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec })
-	add(apps, "daemonsets", &appsv1.DaemonSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec })
-	add(apps, "replicasets", &appsv1.ReplicaSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec })
-	add(batch, "jobs", &batchv1.Job{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec })
-	add(batch, "cronjobs", &batchv1.CronJob{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec })
-	add(core, "pods", &corev1.Pod{}, func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec })
 	if !cache.WaitForCacheSync(ctx.Done(), synced...) && ctx.Err() == nil {
 		logrus.Errorf("k3s-pinning: --pinned-workload-images: the workloads' caches did not sync")
 	}

@@ -510,7 +510,7 @@ func (s layerIndexStore) Writer(ctx context.Context, opts ...content.WriterOpt) 
 // the blob under a ref of its own (openWriter).
 var writerStalled = 10 * time.Second
 
-// openWriter opens a writer of cs with opts, and gets past a ref whose lock containerd lost.
+// openWriter opens a writer of cs with opts (whose ref is ref), and gets past a ref whose lock containerd lost.
 // containerd's metadata store takes a ref's lock inside the transaction that records the ingest;
 // when that transaction fails to commit (a full disk: "write meta.db: no space left on device")
 // it returns the error and keeps the lock until it restarts. Every later writer of the ref is then
@@ -519,20 +519,14 @@ var writerStalled = 10 * time.Second
 // code is the same). A locked ref whose ingest containerd has no record of, or whose data has not
 // grown for writerStalled, is written under a ref of its own; a writer at work is waited for, as
 // the client does.
-func openWriter(ctx context.Context, cs content.Store, opts []content.WriterOpt) (content.Writer, error) {
+func openWriter(ctx context.Context, cs content.Store, ref string, opts []content.WriterOpt) (content.Writer, error) {
 	w, err := cs.Writer(ctx, opts...)
 	if !errdefs.IsUnavailable(err) {
 		return w, err
 	}
-	var wo content.WriterOpts
-	for _, opt := range opts {
-		if opt(&wo) != nil {
-			return nil, err
-		}
-	}
 	offset, since := int64(-1), time.Now()
 	for {
-		st, serr := cs.Status(ctx, wo.Ref)
+		st, serr := cs.Status(ctx, ref)
 		if errdefs.IsNotFound(serr) {
 			break // locked, yet no ingest: the lock of a transaction that failed
 		} else if serr != nil {
@@ -552,8 +546,8 @@ func openWriter(ctx context.Context, cs content.Store, opts []content.WriterOpt)
 			return w, err
 		}
 	}
-	own := fmt.Sprintf("%s-%d", wo.Ref, time.Now().UnixNano())
-	logrus.Warnf("containerd holds the lock of %s with no writer at work on it (%v): writing it as %s", wo.Ref, err, own)
+	own := fmt.Sprintf("%s-%d", ref, time.Now().UnixNano())
+	logrus.Warnf("containerd holds the lock of %s with no writer at work on it (%v): writing it as %s", ref, err, own)
 	return cs.Writer(ctx, append(slices.Clip(opts), content.WithRef(own))...)
 }
 
@@ -714,7 +708,7 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []co
 		// An OCI layout's index.json, or the index containerd writes for a docker archive.
 		return &indexWriter{ai: ai, ref: wo.Ref, digester: digest.Canonical.Digester()}, nil
 	}
-	w, err := openWriter(ctx, cs, opts)
+	w, err := openWriter(ctx, cs, wo.Ref, opts)
 	if err != nil {
 		return nil, err
 	}
