@@ -423,6 +423,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	}
 	a.saveState()
 	a.reportProtection()
+	forgetDigestRefs()
 	return report
 }
 
@@ -475,8 +476,9 @@ func (a *Agent) setPlan() {
 // storeAfterLoads is the image store as the sync's loads and releases left it: the snapshot's
 // list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
 // one. A change by another writer since the snapshot is the events' to follow, as after any list.
+// The snapshot is done with: its loads have run.
 func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, releases []release) ([]images.Image, error) {
-	if listed, ok := snap.all(); ok && len(releases) == 0 {
+	if listed, ok := snap.take(); ok && len(releases) == 0 {
 		return listed, nil
 	}
 	listed, err := a.cd.Images.List(ctx)
@@ -497,6 +499,7 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 	snap.endImports(ctx, a.importer)
 	a.replan()
 	a.release(ctx, releases)
+	forgetDigestRefs()
 	return rep
 }
 

@@ -73,26 +73,42 @@ func (imageListCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return fmt.Errorf("image list: cannot unmarshal into %T", v)
 	}
-	r := data.Reader() // over gRPC's own buffers: the answer is not copied whole again
+	// Readers over gRPC's own buffers: the answer is not copied whole again. The first counts
+	// the images, so that their slice is made once, not grown by doubling (at 30,000 records, 3
+	// MiB copied and the old array live beside the new at the list's peak).
+	count := data.Reader()
+	n, err := countImages(count)
+	count.Close()
+	if err != nil {
+		return fmt.Errorf("image list: %w", err)
+	}
+	r := data.Reader()
 	defer r.Close()
+	if n > 0 { // none is nil, as containerd's client answers
+		reply.images = make([]images.Image, 0, n)
+	}
 	if err := reply.decode(r); err != nil {
 		return fmt.Errorf("image list: %w", err)
 	}
 	return nil
 }
 
-// bufferReader is what decode reads: gRPC's mem.Reader (an interface in some gRPC releases, a
-// struct in others).
-type bufferReader interface {
-	io.Reader
-	io.ByteReader
-	Remaining() int
+// countImages is the number of images of a ListImagesResponse.
+func countImages(r bufferReader) (int, error) {
+	n := 0
+	err := eachField(r, func(num protowire.Number, typ protowire.Type, size uint64) error {
+		if num == 1 && typ == protowire.BytesType {
+			n++
+		}
+		_, err := io.CopyN(io.Discard, r, int64(size))
+		return err
+	})
+	return n, err
 }
 
-// decode reads a ListImagesResponse (field 1: the repeated images), one image at a time.
-func (l *imageList) decode(r bufferReader) error {
-	l.labels, l.targets = map[string]map[string]string{}, map[string]ocispec.Descriptor{}
-	var msg []byte
+// eachField calls f with each top-level field of the message r holds (number, wire type, size
+// of what follows: 0 for a varint, which eachField has read), f reading or skipping the value.
+func eachField(r bufferReader, f func(num protowire.Number, typ protowire.Type, size uint64) error) error {
 	for r.Remaining() > 0 {
 		tag, err := binary.ReadUvarint(r)
 		if err != nil {
@@ -115,14 +131,32 @@ func (l *imageList) decode(r bufferReader) error {
 		if err != nil {
 			return err
 		}
-		if num != 1 || typ != protowire.BytesType {
-			if _, err := io.CopyN(io.Discard, r, int64(n)); err != nil {
-				return err
-			}
-			continue
-		}
 		if n > uint64(r.Remaining()) {
-			return fmt.Errorf("an image of %d bytes, %d left: %w", n, r.Remaining(), io.ErrUnexpectedEOF)
+			return fmt.Errorf("field %d of %d bytes, %d left: %w", num, n, r.Remaining(), io.ErrUnexpectedEOF)
+		}
+		if err := f(num, typ, n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// bufferReader is what decode reads: gRPC's mem.Reader (an interface in some gRPC releases, a
+// struct in others).
+type bufferReader interface {
+	io.Reader
+	io.ByteReader
+	Remaining() int
+}
+
+// decode reads a ListImagesResponse (field 1: the repeated images), one image at a time.
+func (l *imageList) decode(r bufferReader) error {
+	l.labels, l.targets = map[string]map[string]string{}, map[string]ocispec.Descriptor{}
+	var msg []byte
+	return eachField(r, func(num protowire.Number, typ protowire.Type, n uint64) error {
+		if num != 1 || typ != protowire.BytesType {
+			_, err := io.CopyN(io.Discard, r, int64(n))
+			return err
 		}
 		msg = slices.Grow(msg[:0], int(n))[:n]
 		if _, err := io.ReadFull(r, msg); err != nil {
@@ -133,8 +167,8 @@ func (l *imageList) decode(r bufferReader) error {
 			return err
 		}
 		l.images = append(l.images, l.image(&pb))
-	}
-	return nil
+		return nil
+	})
 }
 
 // image is containerd's client's imageFromProto, its labels and target shared with the images
