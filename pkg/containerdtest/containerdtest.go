@@ -229,24 +229,32 @@ func StripPins(ctx context.Context, store images.Store) error {
 	return nil
 }
 
-// ProcessMemory is VmRSS and VmHWM (the peak) of process pid in MiB, from /proc (Linux).
-func ProcessMemory(pid int) (rss, hwm float64, err error) {
+// Memory is a process's memory as /proc gives it, in MiB.
+type Memory struct {
+	RSS  float64 // VmRSS: resident now
+	HWM  float64 // VmHWM: the highest resident
+	File float64 // RssFile: of the resident, the pages of files mapped (the binary's own)
+}
+
+// ProcessMemory is the memory of process pid, from /proc/<pid>/status (Linux).
+func ProcessMemory(pid int) (Memory, error) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0, 0, err
+		return Memory{}, err
 	}
+	var m Memory
+	fields := map[string]*float64{"VmRSS:": &m.RSS, "VmHWM:": &m.HWM, "RssFile:": &m.File}
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Fields(line)
-		if len(f) >= 2 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
-			kib, _ := strconv.ParseFloat(f[1], 64)
-			if f[0] == "VmRSS:" {
-				rss = kib / 1024
-			} else {
-				hwm = kib / 1024
+		if len(f) >= 2 && fields[f[0]] != nil {
+			kib, err := strconv.ParseFloat(f[1], 64)
+			if err != nil {
+				return Memory{}, fmt.Errorf("/proc/%d/status: %q: %w", pid, line, err)
 			}
+			*fields[f[0]] = kib / 1024
 		}
 	}
-	return rss, hwm, nil
+	return m, nil
 }
 
 // MetadataDB is the bbolt file of containerd's metadata store under root (containerd's root dir).

@@ -869,17 +869,11 @@ func (c *cluster) awaitProtected(r *clusterReport, scenario string) {
 
 // memoryCell is the k3s process's VmRSS and VmHWM.
 func (n *clusterNode) memoryCell() string {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", n.cmd.Process.Pid))
+	m, err := containerdtest.ProcessMemory(n.cmd.Process.Pid)
 	if err != nil {
 		return "?"
 	}
-	kib := map[string]int{}
-	for _, line := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(line); len(f) == 3 && (f[0] == "VmRSS:" || f[0] == "VmHWM:") {
-			kib[f[0]], _ = strconv.Atoi(f[1])
-		}
-	}
-	return fmt.Sprintf("%.0f MiB (peak %.0f MiB)", float64(kib["VmRSS:"])/1024, float64(kib["VmHWM:"])/1024)
+	return fmt.Sprintf("%.0f MiB (peak %.0f MiB)", m.RSS, m.HWM)
 }
 
 // TestCluster: a server and two agents, first with k3s-pinning in k3s (its flags given each way a

@@ -218,9 +218,11 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 	}
 	b.ready = n.awaitReady(start)
 	time.Sleep(10 * time.Second) // what the load left behind: given back, or not
-	if b.rss, b.hwm, err = containerdtest.ProcessMemory(n.cmd.Process.Pid); err != nil {
+	mem, err := containerdtest.ProcessMemory(n.cmd.Process.Pid)
+	if err != nil {
 		t.Fatal(err)
 	}
+	b.rss, b.hwm = mem.RSS, mem.HWM
 	t.Logf("cold boot: images %s (the load from containerd answering %s), Ready %s, VmRSS %.1f MiB (VmHWM %.1f); containerd's transactions in the load %d (it left %d blobs and %d image records, %d of them the CRI's image IDs)",
 		b.images.Round(time.Millisecond), b.load.Round(time.Millisecond), b.ready.Round(time.Millisecond), b.rss, b.hwm, b.writes, b.blobs, b.records, b.ids)
 

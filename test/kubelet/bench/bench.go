@@ -600,12 +600,14 @@ func (b *bench) agentProcess(ctx context.Context, s *refSet, idle bool) error {
 		b.add(Row{Figure: fmt.Sprintf("idle CPU of `k3s-pinning run` over %s", b.opts.Idle), Value: fmt.Sprintf("%.2f s", cpu1-cpu0),
 			Baseline: "-", Target: "< 0.05 s", Met: yes(cpu1-cpu0 < 0.05)})
 	}
-	rss, hwm, err := containerdtest.ProcessMemory(cmd.Process.Pid)
+	mem, err := containerdtest.ProcessMemory(cmd.Process.Pid)
 	if err != nil {
 		return err
 	}
-	b.add(Row{Figure: fmt.Sprintf("resident memory of `k3s-pinning run`, %d wanted references", len(s.refs)), Value: fmt.Sprintf("%.1f MiB (peak %.1f)", rss, hwm),
-		Baseline: "-", Target: "<= 48 MiB, peak <= 64", Met: yes(rss <= 48 && hwm <= 64)})
+	// The binary's own pages are part of the resident size, the same at 0 references as at
+	// 10,000: given beside it, what the references cost is the rest.
+	b.add(Row{Figure: fmt.Sprintf("resident memory of `k3s-pinning run`, %d wanted references", len(s.refs)), Value: fmt.Sprintf("%.1f MiB (peak %.1f; the binary's pages %.1f)", mem.RSS, mem.HWM, mem.File),
+		Baseline: "-", Target: "<= 48 MiB, peak <= 64", Met: yes(mem.RSS <= 48 && mem.HWM <= 64)})
 	return nil
 }
 
