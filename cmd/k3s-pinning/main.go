@@ -67,7 +67,7 @@ func commonFlags(o *options) []cli.Flag {
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
 // is set. It bounds the Go runtime's memory, not the binary's pages (another 25 MiB resident):
 // a first sync at 10,000 references holds about 47 MB live at its highest (the image list as
-// containerd sends it and as decoded), and a limit of 56 MiB made its peak 79-81 MiB against 88
+// containerd sends it and as decoded), and a limit of 56 MiB made its peak 78-80 MiB against 86
 // at 64 MiB, the sync as fast; at 40-44 MiB the sync took twice as long for the same peak.
 const runMemoryLimit = 56 << 20
 
