@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -35,6 +37,14 @@ func TestStateIsWrittenAsMarshalIndentWritesIt(t *testing.T) {
 			Archives: map[string]*ArchiveState{"b.tar": archive(3), "a.tar.zst": archive(2), `odd "<&>" name.tar`: archive(1)},
 			Retained: map[string]*ArchiveState{"gone.tar": archive(2)},
 			Agent:    AgentView{LastReconcile: time.Date(2026, 12, 6, 15, 1, 0, 0, time.UTC), RestoresDone: 2, RestoresPending: []string{"registry.example/appa:1.0"}, ArchiveErrors: map[string]string{"bad.tar": "truncated"}}},
+	}
+	// encode writes State's fields by name: one added to State must be added there too.
+	var fields []string
+	for i, st := 0, reflect.TypeFor[State](); i < st.NumField(); i++ {
+		fields = append(fields, st.Field(i).Name)
+	}
+	if want := []string{"Version", "Archives", "Retained", "Agent"}; !slices.Equal(fields, want) {
+		t.Fatalf("State's fields are %v; encode writes %v: write the new ones in encode", fields, want)
 	}
 	for name, s := range states {
 		t.Run(name, func(t *testing.T) {
