@@ -520,7 +520,8 @@ func (s layerIndexStore) Writer(ctx context.Context, opts ...content.WriterOpt) 
 // the blob under a ref of its own (openWriter).
 var writerStalled = 10 * time.Second
 
-// openWriter opens a writer of cs with opts (whose ref is ref), and gets past a ref whose lock containerd lost.
+// openWriter opens a writer of cs with opts (whose ref is ref), and gets past a ref whose lock
+// containerd lost.
 // containerd's metadata store takes a ref's lock inside the transaction that records the ingest;
 // when that transaction fails to commit (a full disk: "write meta.db: no space left on device")
 // it returns the error and keeps the lock until it restarts. Every later writer of the ref is then
@@ -976,7 +977,7 @@ func digestRef(ref string, d digest.Digest) string {
 }
 
 // forgetDigestRefs drops the memo: a daemon between syncs does not keep it (at 10,000 references,
-// 20,000 answers: 3 MiB of its resident memory).
+// 20,000 answers: 2.6 MB less heap between syncs, in heap profiles before and after).
 func forgetDigestRefs() {
 	digestRefs.Lock()
 	defer digestRefs.Unlock()
