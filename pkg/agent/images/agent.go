@@ -332,6 +332,9 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.reloadRetained()
 	start := time.Now()
 	defer func() { a.metrics.reconcile.Observe(time.Since(start).Seconds()) }()
+	snap := listedStore() // one list of the store verifies every unchanged archive
+	defer snap.endImports(ctx, a.importer)
+	a.importer.listFirst(ctx, snap)
 	sv := a.survey()
 	report := &SyncReport{ScanErrors: sv.scanErrs}
 	for _, err := range sv.scanErrs {
@@ -343,8 +346,6 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.present, a.read = sv.present, sv.read
 	a.setPlan()
 	var releases []release
-	snap := listedStore() // one list of the store verifies every unchanged archive
-	defer snap.endImports(ctx, a.importer)
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
 	// Archives are imported side by side, then recorded in order; a reference two of them provide
 	// with the same image is pinned for the first by name, whichever creates it.

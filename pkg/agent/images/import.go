@@ -427,20 +427,42 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 		snap.listed = append(snap.listed, img)
 		return img, true, nil
 	}
-	if snap.images == nil {
-		listed, err := im.cd.Images.List(ctx)
-		if err != nil {
-			return images.Image{}, false, fmt.Errorf("list images: %w", err)
-		}
-		snap.listed, snap.images = listed, make(map[string]int, len(listed))
-		for i, img := range listed {
-			snap.images[img.Name] = i
-		}
+	if err := im.listImages(ctx, snap); err != nil {
+		return images.Image{}, false, err
 	}
 	if i, ok := snap.images[ref]; ok {
 		return snap.listed[i], true, nil
 	}
 	return images.Image{}, false, nil
+}
+
+// listImages lists the image store into a listed snapshot, unless it is listed; snap.mu is held.
+func (im *importer) listImages(ctx context.Context, snap *storeSnapshot) error {
+	if snap.images != nil {
+		return nil
+	}
+	listed, err := im.cd.Images.List(ctx)
+	if err != nil {
+		return fmt.Errorf("list images: %w", err)
+	}
+	snap.listed, snap.images = listed, make(map[string]int, len(listed))
+	for i, img := range listed {
+		snap.images[img.Name] = i
+	}
+	return nil
+}
+
+// listFirst lists the image store into a listed snapshot before the sync indexes the images dir,
+// not at its first load: containerd's answer, which gRPC holds whole while it is decoded (12 MiB
+// at 10,000 references), and the decoding's garbage are then gone before the archives' indexes
+// are made, rather than beside them at the sync's peak. A failure is the loads' to report: each
+// lists again when it first asks.
+func (im *importer) listFirst(ctx context.Context, snap *storeSnapshot) {
+	snap.mu.Lock()
+	defer snap.mu.Unlock()
+	if !snap.lookup {
+		im.listImages(ctx, snap)
+	}
 }
 
 // take is the image store as a listed snapshot listed it, false if it never listed the store or

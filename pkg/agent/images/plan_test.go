@@ -2,7 +2,9 @@ package images
 
 import (
 	"fmt"
+	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/opencontainers/go-digest"
@@ -197,6 +199,53 @@ func TestKeeperIsThePlan(t *testing.T) {
 		if got := k.Keep(c.id, c.tags, c.dgsts); got != c.keep {
 			t.Errorf("Keep(%s, %v, %v) = %t, want %t", c.id, c.tags, c.dgsts, got, c.keep)
 		}
+	}
+}
+
+// TestKeepSetHoldsThePlansNames: a name the plan wants and containerd lists is held once, as the
+// plan has it, not as the list decoded it (a copy, garbage once the sync ends), whichever the
+// keep-set met first; a listed name the plan does not know (the policy's) is the list's.
+func TestKeepSetHoldsThePlansNames(t *testing.T) {
+	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
+	manifest := testDigest("manifest")
+	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
+	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
+		recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+	target := ocispec.Descriptor{Digest: manifest}
+	digestName := "docker.io/library/app@" + manifest.String()
+	listed := []images.Image{ // as decoded from containerd's answer: strings of their own
+		{Name: strings.Clone(app.Ref), Labels: pinning.PinLabels("a.tar"), Target: target},
+		{Name: strings.Clone(digestName), Labels: pinning.PinLabels("a.tar"), Target: target},
+		{Name: "registry.local/tool:9", Target: ocispec.Descriptor{Digest: testDigest("tool")}},
+	}
+	k := &Keeper{}
+	k.publish(plan, listed)
+	held := map[string]*byte{}
+	for name := range k.set.Load().names {
+		held[name] = unsafe.StringData(name)
+	}
+	var planRef string
+	for ref := range plan.refs {
+		planRef = ref
+	}
+	for _, c := range []struct {
+		name string
+		want *byte
+	}{
+		{app.Ref, unsafe.StringData(planRef)},
+		{digestName, unsafe.StringData(digestRef(planRef, plan.digests[planRef]))},
+		{"registry.local/tool:9", unsafe.StringData(listed[2].Name)},
+	} {
+		got, ok := held[c.name]
+		switch {
+		case !ok:
+			t.Errorf("%s is not in the keep-set", c.name)
+		case got != c.want:
+			t.Errorf("%s is held as another copy than the one it should share", c.name)
+		}
+	}
+	if len(held) != 4 { // and the policy's image by digest
+		t.Errorf("keep-set holds %d names, want 4: %v", len(held), held)
 	}
 }
 
