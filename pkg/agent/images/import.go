@@ -653,6 +653,9 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 		} else if !has {
 			return nil, false, nil
 		}
+		// Named by the index's string, not the list's (equal): what the sync keeps of this
+		// reference (its record in the state, the plan) does not hold the decoded list's copy.
+		img.Name = want.Ref
 		found = append(found, img)
 	}
 	return found, true, nil
