@@ -65,10 +65,11 @@ func commonFlags(o *options) []cli.Flag {
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
-// is set. It bounds the Go runtime's memory, not the binary's pages (another 25 MiB resident):
-// a first sync at 10,000 references holds about 47 MB live at its highest (the image list as
-// containerd sends it and as decoded), and a limit of 56 MiB made its peak 78-80 MiB against 86
-// at 64 MiB, the sync as fast; at 40-44 MiB the sync took twice as long for the same peak.
+// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-25 MiB
+// resident): a first sync at 10,000 references holds about 39 MB live at its highest (the image
+// list as containerd sends it and as decoded, then the list with the plan and the loads' reports
+// at the sync's end), and a limit of 56 MiB made its peak 78-80 MiB against 86 at 64 MiB, the
+// sync as fast; at 40-48 MiB the peak was 75.5-78 MiB, the sync up to twice as long.
 const runMemoryLimit = 56 << 20
 
 func main() {
