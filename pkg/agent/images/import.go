@@ -456,13 +456,12 @@ func (im *importer) listImages(ctx context.Context, snap *storeSnapshot) error {
 // not at its first load: containerd's answer, which gRPC holds whole while it is decoded (12 MiB
 // at 10,000 references), and the decoding's garbage are then gone before the archives' indexes
 // are made, rather than beside them at the sync's peak. A failure is the loads' to report: each
-// lists again when it first asks.
+// lists again when it first asks. With only .txt lists in the dir (their pulls write through the
+// CRI), the sync lists the store again after them: one list more than before this was moved.
 func (im *importer) listFirst(ctx context.Context, snap *storeSnapshot) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
-	if !snap.lookup {
-		im.listImages(ctx, snap)
-	}
+	im.listImages(ctx, snap)
 }
 
 // take is the image store as a listed snapshot listed it, false if it never listed the store or
