@@ -65,12 +65,13 @@ func commonFlags(o *options) []cli.Flag {
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
-// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-25 MiB
-// resident): a first sync at 10,000 references holds about 39 MB live at its highest (the image
-// list as containerd sends it and as decoded, then the list with the plan and the loads' reports
-// at the sync's end), and a limit of 56 MiB made its peak 78-80 MiB against 86 at 64 MiB, the
-// sync as fast; at 40-48 MiB the peak was 75.5-78 MiB, the sync up to twice as long.
-const runMemoryLimit = 56 << 20
+// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-24 MiB resident,
+// built as released). A first sync at 10,000 references holds about 25 MB live at its highest
+// (2026-12-06, a heap profile: the store's list, the loads' reports, the content walk, the
+// records); limits tried on that sync, VmHWM: 48 MiB 67.7, 44 MiB 63.7, 40 MiB 61.3-63.5, 36 MiB
+// 60.7-62.7 with the sync 1.3-1.4 s, 32 MiB 59.7 (1.5 s). Against 75.4-75.8 MiB at the 56 MiB
+// this limit was before.
+const runMemoryLimit = 36 << 20
 
 func main() {
 	logrus.SetOutput(os.Stderr)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"slices"
 	"strings"
 	"sync"
@@ -243,14 +244,14 @@ const pinWorkers = 8
 // PinWanted pins every image of all (the store's list, which the caller has made) that wants
 // names a source for and that is not pinned yet, and returns them with the source each was pinned
 // for. The writes go pinWorkers at a time; an error on one reference does not stop the others.
-func (p *Pinner) PinWanted(ctx context.Context, all []images.Image, wants func(images.Image) (string, bool)) (pinned map[string]string, err error) {
+func (p *Pinner) PinWanted(ctx context.Context, all iter.Seq[images.Image], wants func(images.Image) (string, bool)) (pinned map[string]string, err error) {
 	var (
 		mu   sync.Mutex
 		errs []error
 		g    errgroup.Group
 	)
 	g.SetLimit(pinWorkers)
-	for _, img := range all {
+	for img := range all {
 		source, ok := wants(img)
 		if !ok || OwnerOf(img.Labels) != NoPin {
 			continue

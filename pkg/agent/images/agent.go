@@ -392,7 +392,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	if err != nil {
 		report.PolicyErr = err
 	} else {
-		pinned, err := a.pinner.PinWanted(ctx, listed, a.plan.Source)
+		pinned, err := a.pinner.PinWanted(ctx, listed.images(), a.plan.Source)
 		report.PolicyErr = errors.Join(err, a.releaseUnwanted(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
 			if pinned[ref] == pinning.SourcePolicy {
@@ -434,9 +434,9 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 // recorded (release); this pass, at every sync, is what makes that converge when one was lost
 // (the agent stopped between the record and the release, containerd restarting, the state file
 // lost). Policy and manual pins are the operator's: they are not released here.
-func (a *Agent) releaseUnwanted(ctx context.Context, listed []images.Image) error {
+func (a *Agent) releaseUnwanted(ctx context.Context, listed imageRecords) error {
 	var errs []error
-	for _, img := range listed {
+	for img := range listed.images() {
 		src, ours := pinning.OwnPin(img.Labels)
 		if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || isImageIDRecord(img.Name) {
 			continue
@@ -478,11 +478,11 @@ func (a *Agent) setPlan() {
 // list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
 // one. A change by another writer since the snapshot is the events' to follow, as after any list.
 // The snapshot is done with: its loads have run.
-func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, releases []release) ([]images.Image, error) {
+func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, releases []release) (imageRecords, error) {
 	if listed, ok := snap.take(); ok && len(releases) == 0 {
 		return listed, nil
 	}
-	listed, err := a.cd.Images.List(ctx)
+	listed, err := listRecords(ctx, a.cd.Images)
 	if err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
 	}

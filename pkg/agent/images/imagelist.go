@@ -6,10 +6,12 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"iter"
 	"maps"
 	"reflect"
 	"slices"
 	"strings"
+	"time"
 
 	imagesapi "github.com/containerd/containerd/api/services/images/v1"
 	"github.com/containerd/containerd/v2/core/images"
@@ -37,25 +39,132 @@ type streamedImages struct {
 	conn *grpc.ClientConn
 }
 
-// List is images.Store's List.
+// List is images.Store's List: containerd's client's answer, record for record.
 func (s streamedImages) List(ctx context.Context, filters ...string) ([]images.Image, error) {
-	var reply imageList
-	err := s.conn.Invoke(ctx, "/containerd.services.images.v1.Images/List", &imagesapi.ListImagesRequest{Filters: filters}, &reply, grpc.ForceCodecV2(imageListCodec{}))
-	if err != nil {
-		return nil, errgrpc.ToNative(err)
+	reply := imageList{full: true}
+	if err := s.list(ctx, &reply, filters); err != nil {
+		return nil, err
 	}
-	return reply.images, nil
+	var all []images.Image
+	if len(reply.records) > 0 { // none is nil, as containerd's client answers
+		all = make([]images.Image, len(reply.records))
+	}
+	for i, r := range reply.records {
+		all[i] = r.image()
+		all[i].CreatedAt, all[i].UpdatedAt = reply.created[i], reply.updated[i]
+	}
+	return all, nil
+}
+
+// records is the store's list as the agent keeps it (imageRecords).
+func (s streamedImages) records(ctx context.Context) (imageRecords, error) {
+	var reply imageList
+	if err := s.list(ctx, &reply, nil); err != nil {
+		return nil, err
+	}
+	return reply.records.sorted(), nil
+}
+
+func (s streamedImages) list(ctx context.Context, reply *imageList, filters []string) error {
+	err := s.conn.Invoke(ctx, "/containerd.services.images.v1.Images/List", &imagesapi.ListImagesRequest{Filters: filters}, reply, grpc.ForceCodecV2(imageListCodec{}))
+	return errgrpc.ToNative(err)
+}
+
+// listRecords lists store (streamedImages' records; any other store's list, made records).
+func listRecords(ctx context.Context, store images.Store) (imageRecords, error) {
+	if s, ok := store.(streamedImages); ok {
+		return s.records(ctx)
+	}
+	all, err := store.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return recordsOf(all), nil
+}
+
+// listedImage is an image record as the agent keeps a list of the store: what it reads of one.
+// 32 bytes, against images.Image's 192 (its target inline, its two times), and the target
+// without its annotations: containerd's import annotates each image's with its name, a map per
+// image (4.4 MB of the 10.6 a list of 30,000 records held, 10,000 maps). At 10,000 references
+// the store lists 30,000 records, and a sync holds them from its start to its end.
+type listedImage struct {
+	Name   string
+	Labels map[string]string // shared by the records with the same labels: read, never written
+	// Target is the record's media type, digest, size and platform, shared by the records with
+	// the same: what the agent reads a manifest by and compares. A reference the agent makes
+	// from a listed one takes the target whole from the store (importer.Load).
+	Target *ocispec.Descriptor
+}
+
+// image is r as containerd's client gives a record, without its times (and, for a record of
+// records(), without its target's annotations).
+func (r listedImage) image() images.Image {
+	return images.Image{Name: r.Name, Labels: r.Labels, Target: *r.Target}
+}
+
+// imageRecords is a list of the store, sorted by name: a name is found by a binary search, not a
+// map beside the list (1.7 MB at 30,000 records).
+type imageRecords []listedImage
+
+// recordsOf is all as records (each target the one of all's image).
+func recordsOf(all []images.Image) imageRecords {
+	records := make(imageRecords, len(all))
+	for i := range all {
+		records[i] = listedImage{Name: all[i].Name, Labels: all[i].Labels, Target: &all[i].Target}
+	}
+	return records.sorted()
+}
+
+func byName(a, b listedImage) int { return strings.Compare(a.Name, b.Name) }
+
+// sorted sorts rs by name (containerd lists in that order already: its bucket's keys) and
+// returns it.
+func (rs imageRecords) sorted() imageRecords {
+	if !slices.IsSortedFunc(rs, byName) {
+		slices.SortFunc(rs, byName)
+	}
+	return rs
+}
+
+// find is the record named name.
+func (rs imageRecords) find(name string) (listedImage, bool) {
+	i, ok := slices.BinarySearchFunc(rs, name, func(r listedImage, name string) int { return strings.Compare(r.Name, name) })
+	if !ok {
+		return listedImage{}, false
+	}
+	return rs[i], true
+}
+
+// insert adds r, which rs does not hold, in its place.
+func (rs imageRecords) insert(r listedImage) imageRecords {
+	i, _ := slices.BinarySearchFunc(rs, r.Name, func(r listedImage, name string) int { return strings.Compare(r.Name, name) })
+	return slices.Insert(rs, i, r)
+}
+
+// images are the records as containerd's client gives them, one at a time.
+func (rs imageRecords) images() iter.Seq[images.Image] {
+	return func(yield func(images.Image) bool) {
+		for _, r := range rs {
+			if !yield(r.image()) {
+				return
+			}
+		}
+	}
 }
 
 // imageList is Images.List's answer as streamedImages decodes it.
 type imageList struct {
-	images []images.Image
-	labels map[string]map[string]string // each distinct set of labels, by labelsKey
-	// targets are, by digest, the index in images of the last image decoded with that digest:
-	// the one whose target the next with the same shares. An index, not the descriptor, and no
-	// key but the digest: keyed by digest and annotations, this map was 5.4 MB of a first sync's
-	// 47 MB at its peak (10,000 targets, 30,000 records).
-	targets map[digest.Digest]int
+	records imageRecords
+	// full: the records' times (created, updated) and their targets whole are kept, for List.
+	full             bool
+	created, updated []time.Time
+	labels           map[string]map[string]string // each distinct set of labels, by labelsKey
+	// targets are the distinct targets by digest: the last decoded with that digest, which the
+	// next with the same shares. No key but the digest: keyed by digest and annotations, this map
+	// was 5.4 MB of a first sync's 47 MB at its peak (10,000 targets, 30,000 records).
+	targets map[digest.Digest]*ocispec.Descriptor
+	// mediaTypes are the targets' media types, each string once.
+	mediaTypes map[string]string
 }
 
 // imageListCodec is gRPC's proto codec for the request, and imageList's decoder for the answer.
@@ -91,8 +200,11 @@ func (imageListCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	}
 	r := data.Reader()
 	defer r.Close()
-	if n > 0 { // none is nil, as containerd's client answers
-		reply.images = make([]images.Image, 0, n)
+	if n > 0 {
+		reply.records = make(imageRecords, 0, n)
+		if reply.full {
+			reply.created, reply.updated = make([]time.Time, 0, n), make([]time.Time, 0, n)
+		}
 	}
 	if err := reply.decode(r); err != nil {
 		return fmt.Errorf("image list: %w", err)
@@ -158,7 +270,7 @@ type bufferReader interface {
 
 // decode reads a ListImagesResponse (field 1: the repeated images), one image at a time.
 func (l *imageList) decode(r bufferReader) error {
-	l.labels, l.targets = map[string]map[string]string{}, map[digest.Digest]int{}
+	l.labels, l.targets, l.mediaTypes = map[string]map[string]string{}, map[digest.Digest]*ocispec.Descriptor{}, map[string]string{}
 	var msg []byte
 	return eachField(r, func(num protowire.Number, typ protowire.Type, n uint64) error {
 		if num != 1 || typ != protowire.BytesType {
@@ -173,37 +285,46 @@ func (l *imageList) decode(r bufferReader) error {
 		if err := proto.Unmarshal(msg, &pb); err != nil {
 			return err
 		}
-		l.images = append(l.images, l.image(&pb))
+		l.records = append(l.records, l.record(&pb))
+		if l.full {
+			l.created, l.updated = append(l.created, protobuf.FromTimestamp(pb.CreatedAt)), append(l.updated, protobuf.FromTimestamp(pb.UpdatedAt))
+		}
 		return nil
 	})
 }
 
-// image is containerd's client's imageFromProto, its labels and target shared with the images
-// decoded before it that have the same. containerd lists by name: the records of one image
-// (name:tag, name@digest) mostly come one after the other, and the last image's labels are
-// compared before a key is made for them.
-func (l *imageList) image(pb *imagesapi.Image) images.Image {
-	img := images.Image{
-		Name:      pb.Name,
-		Target:    oci.DescriptorFromProto(pb.Target),
-		CreatedAt: protobuf.FromTimestamp(pb.CreatedAt),
-		UpdatedAt: protobuf.FromTimestamp(pb.UpdatedAt),
-	}
+// record is containerd's client's imageFromProto (its times kept aside, and its target's
+// annotations only when full), its labels and target shared with the records decoded before it
+// that have the same. containerd lists by name: the records of one image (name:tag, name@digest)
+// mostly come one after the other, and the last record's labels are compared before a key is
+// made for them.
+func (l *imageList) record(pb *imagesapi.Image) listedImage {
+	r := listedImage{Name: pb.Name}
 	if len(pb.Labels) > 0 {
-		if n := len(l.images); n > 0 && l.images[n-1].Labels != nil && maps.Equal(l.images[n-1].Labels, pb.Labels) {
-			img.Labels = l.images[n-1].Labels
+		if n := len(l.records); n > 0 && l.records[n-1].Labels != nil && maps.Equal(l.records[n-1].Labels, pb.Labels) {
+			r.Labels = l.records[n-1].Labels
 		} else if key := labelsKey(pb.Labels); l.labels[key] != nil {
-			img.Labels = l.labels[key]
+			r.Labels = l.labels[key]
 		} else {
-			img.Labels, l.labels[key] = pb.Labels, pb.Labels
+			r.Labels, l.labels[key] = pb.Labels, pb.Labels
 		}
 	}
-	if i, ok := l.targets[img.Target.Digest]; ok && sameDescriptor(l.images[i].Target, img.Target) {
-		img.Target = l.images[i].Target
-	} else {
-		l.targets[img.Target.Digest] = len(l.images) // where img is appended
+	target := oci.DescriptorFromProto(pb.Target)
+	if !l.full {
+		target = ocispec.Descriptor{MediaType: target.MediaType, Digest: target.Digest, Size: target.Size, Platform: target.Platform}
 	}
-	return img
+	if t, ok := l.targets[target.Digest]; ok && sameDescriptor(*t, target) {
+		r.Target = t
+		return r
+	}
+	if mt, ok := l.mediaTypes[target.MediaType]; ok {
+		target.MediaType = mt
+	} else {
+		l.mediaTypes[target.MediaType] = target.MediaType
+	}
+	r.Target = &target
+	l.targets[target.Digest] = r.Target
+	return r
 }
 
 // sameDescriptor says whether a and b are equal, field by field.

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"runtime/pprof"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	eventstypes "github.com/containerd/containerd/api/events"
+	containerdimages "github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
@@ -387,6 +389,44 @@ func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
 		if report.Archives[0].Imported || r.Result != pinning.AlreadyOurs {
 			t.Errorf("touched archive: imported=%t, %s %s", report.Archives[0].Imported, r.Ref, r.Result)
 		}
+	}
+}
+
+// TestReferenceMadeBesideAPresentOneIsWhole: a reference the store lacks beside one it holds (a
+// deleted repo@digest) is made again without an import, pointing at the target exactly as
+// containerd's import wrote it for the name beside it, annotations too: the sync's list keeps
+// targets without them (listedImage), and a reference made from it must not be poorer.
+func TestReferenceMadeBesideAPresentOneIsWhole(t *testing.T) {
+	n := newNode(t)
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	store := n.client.ImageService()
+	tag, err := store.Get(n.ctx, "acc.example/app:1.0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tag.Target.Annotations) == 0 {
+		t.Fatalf("containerd's import wrote no annotations on %s's target: nothing to compare", tag.Name)
+	}
+	byDigest := "acc.example/app@" + tag.Target.Digest.String()
+	if err := store.Delete(n.ctx, byDigest, containerdimages.SynchronousDelete()); err != nil {
+		t.Fatal(err)
+	}
+	report := n.agent(nil).Sync(n.ctx)
+	if err := report.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if report.Archives[0].Imported {
+		t.Fatal("the archive was imported again: the reference was not made beside the present one")
+	}
+	made, err := store.Get(n.ctx, byDigest)
+	if err != nil {
+		t.Fatalf("%s not made again: %v", byDigest, err)
+	}
+	if !reflect.DeepEqual(made.Target, tag.Target) {
+		t.Errorf("%s made with target %+v, want %s's %+v", byDigest, made.Target, tag.Name, tag.Target)
 	}
 }
 

@@ -51,12 +51,12 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	for _, ar := range sv.archives {
 		snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(sv.errs[ar.Name()])...)
 	}
-	all, err := a.cd.Images.List(ctx)
+	all, err := listRecords(ctx, a.cd.Images)
 	if err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
 	}
 	present := map[string]bool{}
-	for _, img := range all {
+	for img := range all.images() {
 		if isImageIDRecord(img.Name) {
 			continue
 		}

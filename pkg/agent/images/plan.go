@@ -271,7 +271,7 @@ func (k *Keeper) wanted(name string) bool {
 
 // publish makes plan, resolved against the images containerd holds (listed; nil before the
 // first list), the answer of Keep.
-func (k *Keeper) publish(plan *Plan, listed []images.Image) {
+func (k *Keeper) publish(plan *Plan, listed imageRecords) {
 	set := &keepSet{plan: plan, names: map[string]bool{}, ids: map[string]bool{}}
 	// A name already in the set is not stored again: storing an equal string key replaces the
 	// key, and the set would then hold the list's copy of each name (decoded from containerd's
@@ -287,7 +287,7 @@ func (k *Keeper) publish(plan *Plan, listed []images.Image) {
 		keep(digestRef(ref, plan.digests[ref]))
 	}
 	targets := map[digest.Digest]bool{}
-	for _, img := range listed {
+	for img := range listed.images() {
 		if isImageIDRecord(img.Name) {
 			continue
 		}

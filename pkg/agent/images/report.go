@@ -108,11 +108,9 @@ func (a *Agent) event(warning bool, reason, format string, args ...any) {
 // its keep-set from it: wanted
 // references it lacks are missing (lost ones stay lost until they come back), and each misspelled
 // pin label is reported once.
-func (a *Agent) trackListed(listed []images.Image) {
-	names := make(map[string]bool, len(listed))
+func (a *Agent) trackListed(listed imageRecords) {
 	misspelled := map[string]string{}
 	for _, img := range listed {
-		names[img.Name] = true
 		if m := pinning.MisspelledPin(img.Labels); m != "" {
 			misspelled[img.Name] = m
 			if a.track.misspelled[img.Name] != m {
@@ -121,15 +119,16 @@ func (a *Agent) trackListed(listed []images.Image) {
 		}
 	}
 	a.track.misspelled = misspelled
+	names := func(ref string) bool { _, ok := listed.find(ref); return ok }
 	missing := map[string]bool{}
 	for ref := range a.plan.Provided() {
-		if !names[ref] {
+		if !names(ref) {
 			missing[ref] = true
 		}
 	}
 	if a.cfg.Fetch {
 		for ref := range a.plan.fetchable { // wanted wherever they are: fetched when missing
-			if !names[ref] {
+			if !names(ref) {
 				missing[ref] = true
 			}
 		}
@@ -137,7 +136,7 @@ func (a *Agent) trackListed(listed []images.Image) {
 	for ref := range a.track.lost {
 		_, wanted := a.plan.Source(images.Image{Name: ref})
 		switch {
-		case names[ref]:
+		case names(ref):
 			delete(a.track.lost, ref) // back
 		case !wanted:
 			delete(a.track.lost, ref) // nothing wants it any more: not missing

@@ -86,10 +86,11 @@ func scaleImagesDir(t *testing.T, registry string, archives int, oci func(i int)
 // TestWarmRestartCallsDoNotGrowWithReferences: a restart with unchanged archives verifies every
 // reference (present, its content there, pinned) from one list of the image store and one of the
 // content store. The calls it makes to containerd are the same for 2 archives as for 12: one call
-// per reference made a node with 10,000 references wait 20 s before its kubelet could start.
+// per reference made a node with 10,000 references wait 20 s before its kubelet could start. So
+// are those of a first start on a store that holds the images already (no state file).
 func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
 	n := newNode(t)
-	warmCalls := func(archives int) map[string]int {
+	warmCalls := func(archives int) (warm, first map[string]int) {
 		t.Helper()
 		dir, _ := scaleImagesDir(t, "scale.example", archives, func(i int) bool { return i%2 == 1 })
 		cfg := images.Config{ImagesDir: dir, StateFile: filepath.Join(t.TempDir(), "state.json"), ExtraRegistries: []string{"mirror.example"}}
@@ -124,11 +125,41 @@ func TestWarmRestartCallsDoNotGrowWithReferences(t *testing.T) {
 		if want := archives * 3 * 4; verified != want { // each tag and its repo@digest, also under mirror.example
 			t.Errorf("warm sync of %d archives verified %d references, want %d", archives, verified, want)
 		}
-		return counter.snapshot()
+		warm = counter.snapshot()
+		// The daemon's first start on this store (no state file): a docker archive's image is
+		// known by the CRI's sha256:<image ID> record beside it, not by reading its manifest.
+		n.await(10*time.Second, "the CRI's image ID records", func() bool {
+			all, err := n.client.ImageService().List(n.ctx)
+			tags, ids := 0, 0
+			for _, img := range all {
+				switch {
+				case strings.HasPrefix(img.Name, "sha256:"):
+					ids++
+				case strings.HasPrefix(img.Name, "scale.example/") && !strings.Contains(img.Name, "@"):
+					tags++
+				}
+			}
+			return err == nil && ids >= tags
+		})
+		counter.reset()
+		fresh := images.NewAgent(images.Services(client), images.Config{ImagesDir: dir, StateFile: filepath.Join(t.TempDir(), "first.json"), ExtraRegistries: cfg.ExtraRegistries}).Sync(n.ctx)
+		if err := fresh.Err(); err != nil {
+			t.Fatalf("first start on %d archives: %v", archives, err)
+		}
+		for _, a := range fresh.Archives {
+			if a.Imported {
+				t.Errorf("first start on a store that holds them: %s imported again", a.Archive.Name())
+			}
+		}
+		return warm, counter.snapshot()
 	}
-	few, many := warmCalls(2), warmCalls(12)
+	few, fewFirst := warmCalls(2)
+	many, manyFirst := warmCalls(12)
 	if !maps.Equal(few, many) {
 		t.Errorf("calls to containerd grow with the references:\n  2 archives:  %v\n  12 archives: %v", few, many)
+	}
+	if !maps.Equal(fewFirst, manyFirst) {
+		t.Errorf("calls of a first start without a state file grow with the references:\n  2 archives:  %v\n  12 archives: %v", fewFirst, manyFirst)
 	}
 	// One list of each store: the image list serves the verification, the pins the plan lacks
 	// and the kubelet's filter; the content list, that the verified references' content is there.

@@ -633,7 +633,7 @@ func (b *bench) pinThroughput(ctx context.Context, c *containerd.Client, refs []
 	if err != nil {
 		return err
 	}
-	pinned, err := pinner.PinWanted(ctx, listed, func(img cimages.Image) (string, bool) { return "bench", wanted[img.Name] })
+	pinned, err := pinner.PinWanted(ctx, slices.Values(listed), func(img cimages.Image) (string, bool) { return "bench", wanted[img.Name] })
 	ours := time.Since(start)
 	if err != nil {
 		return err
