@@ -291,9 +291,10 @@ func Transactions(path string) (uint64, error) {
 
 // TransactionFloor is the fewest metadata transactions any load through containerd's API can make
 // to leave what containerd holds now (cs's blobs, is's image records): a blob's ingest opened and
-// committed (two), an image record created (one), and the CRI's update of each name it did not
-// create (its "managed" label, written when it makes the image ID record, a record named
-// sha256:<image ID>; one), nothing labelled after, no lease. With the counts it comes from.
+// committed (two), an image record created with its labels (one; the CRI's image ID records,
+// named sha256:<image ID>, among them), nothing labelled after, no lease. A name created without
+// the CRI's "managed" label costs one more: the CRI's update, which writes it. With the counts
+// it comes from.
 func TransactionFloor(ctx context.Context, cs content.Store, is images.Store) (floor, blobs, records, ids uint64, err error) {
 	if err := cs.Walk(ctx, func(content.Info) error { blobs++; return nil }); err != nil {
 		return 0, 0, 0, 0, err
@@ -308,5 +309,5 @@ func TransactionFloor(ctx context.Context, cs content.Store, is images.Store) (f
 		}
 	}
 	records = uint64(len(imgs))
-	return 2*blobs + records + records - ids, blobs, records, ids, nil
+	return 2*blobs + records, blobs, records, ids, nil
 }

@@ -19,6 +19,12 @@ const (
 	// LabelK3sPinned is the label stock k3s sets beside LabelPinned on what it imports. k3s clears
 	// LabelPinned from images carrying it at every start, then re-imports.
 	LabelK3sPinned = "io.cattle.k3s.pinned"
+	// LabelCRIManaged=CRIManagedValue is the CRI plugin's mark on every image name it knows. A
+	// name created without it, the CRI updates as soon as it hears of it: it makes the image's ID
+	// record (a name sha256:<config digest>), then writes the mark, a transaction each.
+	LabelCRIManaged = "io.cri-containerd.image"
+	// CRIManagedValue is LabelCRIManaged's value.
+	CRIManagedValue = "managed"
 
 	// SourcePolicy is the source of pins set because --pinned-images or --pinned-image-labels match.
 	SourcePolicy = "policy"

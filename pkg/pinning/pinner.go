@@ -91,7 +91,16 @@ func (p *Pinner) PinImage(ctx context.Context, img images.Image, source string) 
 type PutOpt func(*putOptions)
 
 type putOptions struct {
-	listed *images.Image
+	listed  *images.Image
+	managed bool
+}
+
+// Managed creates a new reference with the CRI's mark beside the pin (LabelCRIManaged), as the
+// CRI would label it: the CRI then leaves it as it is, where it updates a name created without
+// it (a transaction per name, which a cold load waits on). The caller has made the image's ID
+// record, which the CRI then does not make.
+func Managed() PutOpt {
+	return func(o *putOptions) { o.managed = true }
 }
 
 // WithListed gives Put the reference as a list of the store showed it a moment ago. When it
@@ -113,6 +122,9 @@ func (p *Pinner) Put(ctx context.Context, img images.Image, source string, opts 
 		return resultOf(OwnerOf(l.Labels)), nil // what the write below would find, with no write
 	}
 	img.Labels = PinLabels(source)
+	if o.managed {
+		img.Labels[LabelCRIManaged] = CRIManagedValue
+	}
 	for range 3 {
 		_, err := p.store.Create(ctx, img)
 		if err == nil {

@@ -94,6 +94,10 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", f.img.Name, f.err)}})
 		}
 	}
+	ids := make(map[string]digest.Digest, len(idx.Images)) // the CRI's image ID of each reference
+	for _, want := range idx.Images {
+		ids[want.Ref] = want.ImageID
+	}
 	for _, img := range targets {
 		// A reference two tarballs provide with the same image is loaded by both, side by side:
 		// whichever creates it pins it for its owner, the first by name, as a load in turn would.
@@ -103,6 +107,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 		}
 		names := References(img.Name, img.Target.Digest, im.extraRegistries)
 		whole := imported || snap.lookup // a sync's listed target lacks its annotations (listedImage)
+		identified := false              // the image's ID record is there: its names are made as the CRI marks them
 		for _, name := range names {
 			// As the snapshot has it (a restore's asks now: a Get, not a Create refused and a Get).
 			listed, ok, err := im.image(ctx, snap, name)
@@ -124,6 +129,12 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 					img.Target = present.Target
 				}
 				whole = true
+			}
+			if !ok && !identified {
+				identified = im.putImageID(ctx, snap, ids[img.Name], img.Target)
+			}
+			if identified {
+				opts = append(opts, pinning.Managed())
 			}
 			res, err := im.pinner.Put(ctx, images.Image{Name: name, Target: img.Target}, source, opts...)
 			refs = append(refs, RefResult{Ref: name, Digest: img.Target.Digest.String(), Result: res, Err: err})
@@ -705,6 +716,30 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 		found = append(found, img)
 	}
 	return found, true, nil
+}
+
+// putImageID makes the CRI's image ID record of an image the agent names (sha256:<id>, marked
+// as the CRI marks it), unless the store has it, and says whether it is there. The image's new
+// names are then made with the CRI's mark (pinning.Managed): the CRI updates a name made without
+// it, making this record and then writing the mark, and at a cold load those were 2 of every 11
+// transactions of an image (of 3 small blobs) that the load waited on. An image with another
+// manifest of the same config may hold the record already: it names the same image ID.
+func (im *importer) putImageID(ctx context.Context, snap *storeSnapshot, id digest.Digest, target ocispec.Descriptor) bool {
+	if id == "" {
+		return false
+	}
+	if _, ok, err := im.image(ctx, snap, id.String()); err != nil {
+		return false
+	} else if ok {
+		return true
+	}
+	_, err := im.cd.Images.Create(ctx, images.Image{Name: id.String(), Target: target, Labels: map[string]string{pinning.LabelCRIManaged: pinning.CRIManagedValue}})
+	if err == nil || errdefs.IsAlreadyExists(err) {
+		snap.wrote()
+		return true
+	}
+	logrus.Warnf("image ID record %s: %v (the CRI makes it)", id, err)
+	return false
 }
 
 // imageIDNames says whether the store's record of the image ID id (the CRI's sha256:<config

@@ -2,24 +2,28 @@ package images_test
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	eventstypes "github.com/containerd/containerd/api/events"
 	containerdimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/platforms"
 	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
 // archiveCase is one archive of the images dir: a format in one compression.
@@ -428,6 +432,58 @@ func TestReferenceMadeBesideAPresentOneIsWhole(t *testing.T) {
 	if !reflect.DeepEqual(made.Target, tag.Target) {
 		t.Errorf("%s made with target %+v, want %s's %+v", byDigest, made.Target, tag.Name, tag.Target)
 	}
+}
+
+// TestNamesAreMadeAsTheCRIMarksThem: a load makes each name with the CRI's mark, and the image's
+// ID record (sha256:<config digest>) as the CRI makes it, so that the CRI has nothing to write
+// after the load (it updated every name made without its mark, a transaction each): the ID record
+// on the image's target, with the mark and nothing else, and the CRI lists the image by that ID,
+// pinned, under its names; again after containerd restarts (the CRI reads its images from the
+// records then). A docker archive and an OCI archive of two platforms.
+func TestNamesAreMadeAsTheCRIMarksThem(t *testing.T) {
+	n := newNode(t)
+	refs := []string{"acc.example/app:1.0", "acc.example/multi:1.0"}
+	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: refs[:1]})
+	writeArchive(t, n.imagesDir, archiveCase{file: "multi.tar", oci: true, refs: refs[1:]})
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	store := n.client.ImageService()
+	marked := map[string]string{pinning.LabelCRIManaged: pinning.CRIManagedValue}
+	check := func(when string) {
+		t.Helper()
+		for _, ref := range refs {
+			tag, err := store.Get(n.ctx, ref)
+			if err != nil {
+				t.Fatalf("%s: %v", when, err)
+			}
+			config, err := containerdimages.Config(n.ctx, n.client.ContentStore(), tag.Target, platforms.Default())
+			if err != nil {
+				t.Fatalf("%s: config of %s: %v", when, ref, err)
+			}
+			id, err := store.Get(n.ctx, config.Digest.String())
+			if err != nil {
+				t.Errorf("%s: %s: no image ID record %s: %v", when, ref, config.Digest, err)
+			} else if !maps.Equal(id.Labels, marked) || id.Target.Digest != tag.Target.Digest {
+				t.Errorf("%s: %s: ID record %s labelled %v on %s, want %v on %s", when, ref, id.Name, id.Labels, id.Target.Digest, marked, tag.Target.Digest)
+			}
+			for _, name := range []string{ref, strings.Split(ref, ":")[0] + "@" + tag.Target.Digest.String()} {
+				if l := n.labels(name); l[pinning.LabelCRIManaged] != pinning.CRIManagedValue || !pinning.IsPinned(l) {
+					t.Errorf("%s: %s labelled %v: not made as the CRI marks a name, or not pinned", when, name, l)
+				}
+			}
+			n.await(10*time.Second, when+": the CRI lists "+ref+" by its image ID, pinned", func() bool {
+				resp, err := n.cri.ImageStatus(n.ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+				img := resp.GetImage()
+				return err == nil && img != nil && img.Id == config.Digest.String() && img.Pinned && slices.Contains(img.RepoTags, ref)
+			})
+		}
+	}
+	check("after the load")
+	if err := n.daemon.Restart(n.ctx); err != nil {
+		t.Fatal(err)
+	}
+	check("after containerd restarted")
 }
 
 // TestImportLeavesNoStreamsOpen: a load gives back every gRPC stream it opened. containerd's
