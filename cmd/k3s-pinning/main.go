@@ -66,11 +66,11 @@ func commonFlags(o *options) []cli.Flag {
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
 // is set. It bounds the Go runtime's memory, not the binary's pages (another 23-24 MiB resident,
-// built as released). A first sync at 10,000 references holds about 25 MB live at its highest
-// (2026-12-06, a heap profile: the store's list, the loads' reports, the content walk, the
-// records); limits tried on that sync, VmHWM: 48 MiB 67.7, 44 MiB 63.7, 40 MiB 61.3-63.5, 36 MiB
-// 60.7-62.7 with the sync 1.3-1.4 s, 32 MiB 59.7 (1.5 s). Against 75.4-75.8 MiB at the 56 MiB
-// this limit was before.
+// built as released). A first sync at 10,000 references holds at most 28 MB live (2026-12-06,
+// runtime/metrics with the heap profiler on, its own records counted: the store's list, the loads'
+// reports, the content walk, the state's records); limits tried on that sync, VmHWM: 48 MiB 67.7,
+// 44 MiB 63.7, 40 MiB 61.3-63.5, 36 MiB 60.7-62.7 with the sync 1.3-1.4 s, 32 MiB 59.7 (1.5 s);
+// 75.4-75.8 MiB at the 56 MiB this limit was before.
 const runMemoryLimit = 36 << 20
 
 func main() {

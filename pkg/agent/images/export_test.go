@@ -1,6 +1,12 @@
 package images
 
-import "time"
+import (
+	"context"
+	"slices"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/images"
+)
 
 // SetWriterStalled sets how long the import waits on another writer that writes nothing, until
 // the test ends.
@@ -8,4 +14,14 @@ func SetWriterStalled(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := writerStalled
 	writerStalled = d
 	t.Cleanup(func() { writerStalled = old })
+}
+
+// ListRecords is the store's list as a sync keeps it (listRecords), each record as containerd's
+// client gives one.
+func ListRecords(ctx context.Context, store images.Store) ([]images.Image, error) {
+	rs, err := listRecords(ctx, store)
+	if err != nil {
+		return nil, err
+	}
+	return slices.Collect(rs.images()), nil
 }

@@ -117,6 +117,8 @@ func recordsOf(all []images.Image) imageRecords {
 
 func byName(a, b listedImage) int { return strings.Compare(a.Name, b.Name) }
 
+func named(r listedImage, name string) int { return strings.Compare(r.Name, name) }
+
 // sorted sorts rs by name (containerd lists in that order already: its bucket's keys) and
 // returns it.
 func (rs imageRecords) sorted() imageRecords {
@@ -128,7 +130,7 @@ func (rs imageRecords) sorted() imageRecords {
 
 // find is the record named name.
 func (rs imageRecords) find(name string) (listedImage, bool) {
-	i, ok := slices.BinarySearchFunc(rs, name, func(r listedImage, name string) int { return strings.Compare(r.Name, name) })
+	i, ok := slices.BinarySearchFunc(rs, name, named)
 	if !ok {
 		return listedImage{}, false
 	}
@@ -137,7 +139,7 @@ func (rs imageRecords) find(name string) (listedImage, bool) {
 
 // insert adds r, which rs does not hold, in its place.
 func (rs imageRecords) insert(r listedImage) imageRecords {
-	i, _ := slices.BinarySearchFunc(rs, r.Name, func(r listedImage, name string) int { return strings.Compare(r.Name, name) })
+	i, _ := slices.BinarySearchFunc(rs, r.Name, named)
 	return slices.Insert(rs, i, r)
 }
 

@@ -68,6 +68,25 @@ func TestImageListIsContainerdsOwn(t *testing.T) {
 		}
 	}
 
+	// What a sync keeps: the same records in name order, without their times, each target
+	// without its annotations.
+	records, err := images.ListRecords(n.ctx, ours)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := store.List(n.ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.SortFunc(want, byName)
+	for i, img := range want {
+		want[i] = containerdimages.Image{Name: img.Name, Labels: img.Labels,
+			Target: ocispec.Descriptor{MediaType: img.Target.MediaType, Digest: img.Target.Digest, Size: img.Target.Size, Platform: img.Target.Platform}}
+	}
+	if !reflect.DeepEqual(records, want) {
+		t.Errorf("the sync's records differ from containerd's client's list:\n got  %+v\n want %+v", records, want)
+	}
+
 	all, err := ours.List(n.ctx)
 	if err != nil {
 		t.Fatal(err)

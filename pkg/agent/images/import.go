@@ -722,24 +722,32 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 // as the CRI marks it), unless the store has it, and says whether it is there. The image's new
 // names are then made with the CRI's mark (pinning.Managed): the CRI updates a name made without
 // it, making this record and then writing the mark, and at a cold load those were 2 of every 11
-// transactions of an image (of 3 small blobs) that the load waited on. An image with another
-// manifest of the same config may hold the record already: it names the same image ID.
+// transactions of an image (of 3 small blobs) that the load waited on. A record on another
+// target (another manifest of the same config) is pointed at this one, as the CRI does.
 func (im *importer) putImageID(ctx context.Context, snap *storeSnapshot, id digest.Digest, target ocispec.Descriptor) bool {
 	if id == "" {
 		return false
 	}
-	if _, ok, err := im.image(ctx, snap, id.String()); err != nil {
+	existing, ok, err := im.image(ctx, snap, id.String())
+	switch {
+	case err != nil:
 		return false
-	} else if ok {
+	case ok && existing.Target.Digest == target.Digest:
 		return true
+	case ok:
+		_, err = im.cd.Images.Update(ctx, images.Image{Name: id.String(), Target: target}, "target")
+	default:
+		_, err = im.cd.Images.Create(ctx, images.Image{Name: id.String(), Target: target, Labels: map[string]string{pinning.LabelCRIManaged: pinning.CRIManagedValue}})
+		if errdefs.IsAlreadyExists(err) { // made since the snapshot, for this image or one of its config
+			err = nil
+		}
 	}
-	_, err := im.cd.Images.Create(ctx, images.Image{Name: id.String(), Target: target, Labels: map[string]string{pinning.LabelCRIManaged: pinning.CRIManagedValue}})
-	if err == nil || errdefs.IsAlreadyExists(err) {
-		snap.wrote()
-		return true
+	if err != nil {
+		logrus.Warnf("image ID record %s: %v (the CRI makes it)", id, err)
+		return false
 	}
-	logrus.Warnf("image ID record %s: %v (the CRI makes it)", id, err)
-	return false
+	snap.wrote()
+	return true
 }
 
 // imageIDNames says whether the store's record of the image ID id (the CRI's sha256:<config

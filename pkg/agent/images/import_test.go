@@ -19,6 +19,8 @@ import (
 	"github.com/containerd/platforms"
 	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
@@ -484,6 +486,50 @@ func TestNamesAreMadeAsTheCRIMarksThem(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after containerd restarted")
+}
+
+// TestImageIDRecordFollowsTheLastManifestMade: one image (one config) in two archives under two
+// manifests (a docker archive, whose manifest containerd writes at import, and an OCI archive
+// with an OCI manifest), the second added later: its names are made with the CRI's mark, so the
+// CRI does not touch the image ID record; the load points the record at the manifest it made,
+// as the CRI does when it records a name, and the CRI lists both names under the one image ID.
+func TestImageIDRecordFollowsTheLastManifestMade(t *testing.T) {
+	n := newNode(t)
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	one, two := "acc.example/one:1.0", "acc.example/two:1.0"
+	if err := imagetest.WriteDocker(filepath.Join(n.imagesDir, "a.tar"), map[string]v1.Image{one: img}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := imagetest.WriteOCI(filepath.Join(n.imagesDir, "b.tar"), map[string]any{two: mutate.MediaType(img, types.OCIManifestSchema1)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.agent(nil).Sync(n.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	config, err := img.ConfigName()
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, second := n.target(one), n.target(two)
+	if first == "" || first == second {
+		t.Fatalf("%s on %q, %s on %q: not two manifests", one, first, two, second)
+	}
+	if got := n.target(config.String()); got != second {
+		t.Errorf("image ID record %s on %s, want %s's manifest %s", config, got, two, second)
+	}
+	for _, ref := range []string{one, two} {
+		n.await(10*time.Second, "the CRI lists "+ref+" as image "+config.String()+", pinned", func() bool {
+			resp, err := n.cri.ImageStatus(n.ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+			img := resp.GetImage()
+			return err == nil && img != nil && img.Id == config.String() && img.Pinned
+		})
+	}
 }
 
 // TestImportLeavesNoStreamsOpen: a load gives back every gRPC stream it opened. containerd's
