@@ -65,7 +65,7 @@ func commonFlags(o *options) []cli.Flag {
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
-// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-24 MiB resident,
+// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-25 MiB resident,
 // built as released). A first sync at 10,000 references holds at most 28 MB live (2026-12-06,
 // runtime/metrics with the heap profiler on, its own records counted: the store's list, the loads'
 // reports, the content walk, the state's records); limits tried on that sync, VmHWM: 48 MiB 67.7,

@@ -85,7 +85,7 @@ func listRecords(ctx context.Context, store images.Store) (imageRecords, error) 
 // listedImage is an image record as the agent keeps a list of the store: what it reads of one.
 // 32 bytes, against images.Image's 192 (its target inline, its two times), and the target
 // without its annotations: containerd's import annotates each image's with its name, a map per
-// image (4.4 MB of the 10.6 a list of 30,000 records held, 10,000 maps). At 10,000 references
+// image (a list of 30,000 records held 10.6 MB with them, 5.9 without). At 10,000 references
 // the store lists 30,000 records, and a sync holds them from its start to its end.
 type listedImage struct {
 	Name   string

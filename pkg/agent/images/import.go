@@ -94,10 +94,6 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 			refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", f.img.Name, f.err)}})
 		}
 	}
-	ids := make(map[string]digest.Digest, len(idx.Images)) // the CRI's image ID of each reference
-	for _, want := range idx.Images {
-		ids[want.Ref] = want.ImageID
-	}
 	for _, img := range targets {
 		// A reference two tarballs provide with the same image is loaded by both, side by side:
 		// whichever creates it pins it for its owner, the first by name, as a load in turn would.
@@ -131,7 +127,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnap
 				whole = true
 			}
 			if !ok && !identified {
-				identified = im.putImageID(ctx, snap, ids[img.Name], img.Target)
+				identified = im.putImageID(ctx, snap, imageID(idx, img.Name), img.Target)
 			}
 			if identified {
 				opts = append(opts, pinning.Managed())
@@ -716,6 +712,16 @@ func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap 
 		found = append(found, img)
 	}
 	return found, true, nil
+}
+
+// imageID is the image ID (config digest for the node's platform) idx gives ref, "" if none.
+func imageID(idx *airgap.Index, ref string) digest.Digest {
+	for _, want := range idx.Images {
+		if want.Ref == ref {
+			return want.ImageID
+		}
+	}
+	return ""
 }
 
 // putImageID makes the CRI's image ID record of an image the agent names (sha256:<id>, marked
