@@ -21,8 +21,10 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+	"github.com/opencontainers/go-digest"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -394,6 +396,72 @@ func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
 	for _, r := range report.Archives[0].Refs {
 		if report.Archives[0].Imported || r.Result != pinning.AlreadyOurs {
 			t.Errorf("touched archive: imported=%t, %s %s", report.Archives[0].Imported, r.Ref, r.Result)
+		}
+	}
+}
+
+// TestFirstSyncRecordsEachArchivesDigest: the state records the digest airgap.Read gives of each
+// archive, uncompressed or compressed, whether its first sync imported it (a cold sync) or found
+// every image present (a new state on a loaded store), and a touched archive is then not
+// imported again.
+func TestFirstSyncRecordsEachArchivesDigest(t *testing.T) {
+	n := newNode(t)
+	files := []archiveCase{
+		{file: "plain.tar", refs: []string{"acc.example/plain:1.0"}},
+		{file: "gz.tar.gz", oci: true, refs: []string{"acc.example/gz:1.0"}},
+		{file: "zst.tar.zst", refs: []string{"acc.example/zst:1.0"}},
+	}
+	want := map[string]digest.Digest{}
+	for _, c := range files {
+		writeArchive(t, n.imagesDir, c)
+		a, err := airgap.At(filepath.Join(n.imagesDir, c.file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, want[c.file], err = airgap.ReadFile(a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, step := range []struct {
+		what     string
+		imported bool
+	}{{"a cold sync", true}, {"a first sync on a store that holds every image", false}} {
+		state := filepath.Join(t.TempDir(), "state.json")
+		report := images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
+		if err := report.Err(); err != nil {
+			t.Fatal(err)
+		}
+		for _, ar := range report.Archives {
+			if ar.Imported != step.imported {
+				t.Errorf("%s: %s imported=%t, want %t", step.what, ar.Archive.Name(), ar.Imported, step.imported)
+			}
+		}
+		st, err := images.LoadState(state)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for name, d := range want {
+			if rec := st.Archives[name]; rec == nil || rec.Digest != d {
+				t.Errorf("%s: %s recorded %+v, want digest %s", step.what, name, rec, d)
+			}
+		}
+		// Touched: the recorded digest stands for the content, nothing is imported again.
+		later := time.Now().Add(time.Hour)
+		for name := range want {
+			if err := os.Chtimes(filepath.Join(n.imagesDir, name), later, later); err != nil {
+				t.Fatal(err)
+			}
+		}
+		report = images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
+		if err := report.Err(); err != nil {
+			t.Fatal(err)
+		}
+		for _, ar := range report.Archives {
+			for _, r := range ar.Refs {
+				if ar.Imported || r.Result != pinning.AlreadyOurs {
+					t.Errorf("%s, touched: %s imported=%t, %s %s", step.what, ar.Archive.Name(), ar.Imported, r.Ref, r.Result)
+				}
+			}
 		}
 	}
 }
