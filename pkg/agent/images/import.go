@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"slices"
 	"strings"
@@ -591,6 +592,13 @@ func (s layerIndexStore) Writer(ctx context.Context, opts ...content.WriterOpt) 
 	return s.writes.writer(ctx, s.Store, opts)
 }
 
+// ReaderAt reads what the import wrote from what its writers kept (archiveImport.ReaderAt):
+// containerd's import reads back each docker image's manifest and config (for its platform) and
+// the start of each layer (for its compression), three reads and three lookups per image.
+func (s layerIndexStore) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.ReaderAt, error) {
+	return s.writes.ReaderAt(ctx, desc)
+}
+
 // writerStalled is how long another writer of a ref may write nothing before the import writes
 // the blob under a ref of its own (openWriter).
 var writerStalled = 10 * time.Second
@@ -782,7 +790,7 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx 
 	defer rc.Close()
 
 	cs := im.cd.Content
-	writes = &archiveImport{im: im, idx: idx, committed: map[digest.Digest]map[string]string{}, seen: map[digest.Digest][]byte{}}
+	writes = &archiveImport{im: im, idx: idx, committed: map[digest.Digest]map[string]string{}, seen: map[digest.Digest][]byte{}, heads: map[digest.Digest]blobHead{}}
 	desc, err := archive.ImportIndex(ctx, layerIndexStore{Store: cs, im: im, snap: snap, writes: writes}, rc)
 	if err != nil {
 		return nil, nil, err
@@ -826,16 +834,71 @@ type archiveImport struct {
 	mu        sync.Mutex
 	committed map[digest.Digest]map[string]string // each blob's labels, as committed
 	seen      map[digest.Digest][]byte            // manifests and indexes as written; the archive's own index
+	heads     map[digest.Digest]blobHead          // the start of each blob committed, as written
+}
+
+// headSize is how much of each blob an import keeps: a small blob whole (a config, a small
+// layer), and of a large layer what containerd's import reads to tell its compression (the 32 KiB
+// its decompressor buffers).
+const headSize = 32 << 10
+
+// blobHead is the start of a blob the import committed, and its size.
+type blobHead struct {
+	data []byte
+	size int64
 }
 
 func (ai *archiveImport) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.ReaderAt, error) {
 	ai.mu.Lock()
 	data, ok := ai.seen[desc.Digest]
+	head, committed := ai.heads[desc.Digest]
 	ai.mu.Unlock()
-	if ok {
+	switch {
+	case ok:
 		return blobReader{bytes.NewReader(data)}, nil
+	case committed:
+		// Committed by this import, under its lease: there. What the head lacks is read from
+		// containerd, if it is ever asked for.
+		return &headReaderAt{head: head, open: func() (content.ReaderAt, error) { return ai.im.cd.Content.ReaderAt(ctx, desc) }}, nil
 	}
 	return ai.im.cd.Content.ReaderAt(ctx, desc)
+}
+
+// headReaderAt reads a blob from its head, and from containerd past it.
+type headReaderAt struct {
+	head blobHead
+	open func() (content.ReaderAt, error)
+	rest content.ReaderAt
+}
+
+func (r *headReaderAt) ReadAt(p []byte, off int64) (int, error) {
+	whole := int64(len(r.head.data)) == r.head.size
+	if off >= 0 && (off+int64(len(p)) <= int64(len(r.head.data)) || whole) {
+		if off >= r.head.size {
+			return 0, io.EOF
+		}
+		n := copy(p, r.head.data[off:])
+		if n < len(p) {
+			return n, io.EOF
+		}
+		return n, nil
+	}
+	if r.rest == nil {
+		var err error
+		if r.rest, err = r.open(); err != nil {
+			return 0, err
+		}
+	}
+	return r.rest.ReadAt(p, off)
+}
+
+func (r *headReaderAt) Size() int64 { return r.head.size }
+
+func (r *headReaderAt) Close() error {
+	if r.rest != nil {
+		return r.rest.Close()
+	}
+	return nil
 }
 
 // writer opens the writer of containerd's import with opts: the blob committed with its labels,
@@ -856,6 +919,7 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []co
 	if err != nil {
 		return nil, err
 	}
+	// Every blob's start is kept (heads); the labels only where the archive's index tells them.
 	lw := &labelledWriter{Writer: w, ai: ai}
 	switch {
 	case file && ai.idx.Content != nil:
@@ -866,20 +930,21 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []co
 			lw.desc.Digest = d
 		}
 		if len(lw.refs) == 0 {
-			return w, nil
+			lw.plain = true
 		}
 	case strings.HasPrefix(wo.Ref, "manifest-") && images.IsManifestType(wo.Desc.MediaType):
 		// The manifest containerd writes for an image of a docker archive: the images with its
 		// config (their image ID), once its bytes are read.
 		lw.desc = wo.Desc
 	default:
-		return w, nil // a write the archive's index does not describe
+		lw.plain = true // a write the archive's index does not describe
 	}
-	if images.IsManifestType(lw.desc.MediaType) || images.IsIndexType(lw.desc.MediaType) {
+	if !lw.plain && (images.IsManifestType(lw.desc.MediaType) || images.IsIndexType(lw.desc.MediaType)) {
 		if lw.desc.Digest == "" {
-			return w, nil // its bytes cannot be checked against its name
+			lw.plain = true // its bytes cannot be checked against its name
+		} else {
+			lw.data = &bytes.Buffer{}
 		}
-		lw.data = &bytes.Buffer{}
 	}
 	return lw, nil
 }
@@ -925,19 +990,30 @@ func (w *indexWriter) Truncate(size int64) error {
 
 func (w *indexWriter) Close() error { return nil }
 
-// labelledWriter is a writer of containerd's import that commits its blob with its labels.
+// labelledWriter is a writer of containerd's import that commits its blob with its labels, and
+// keeps the blob's start (archiveImport.heads).
 type labelledWriter struct {
 	content.Writer
-	ai   *archiveImport
-	refs []string           // the images the blob is content of
-	desc ocispec.Descriptor // its media type and digest, when the name says it
-	data *bytes.Buffer      // a manifest's or index's bytes, whose children it names
+	ai    *archiveImport
+	plain bool               // no labels of its own: committed as containerd's import would
+	refs  []string           // the images the blob is content of
+	desc  ocispec.Descriptor // its media type and digest, when the name says it
+	data  *bytes.Buffer      // a manifest's or index's bytes, whose children it names
+
+	head    []byte // the first bytes written, up to headSize
+	written int64  // bytes written from the blob's start; -1 once that is not known
 }
 
 func (w *labelledWriter) Write(p []byte) (int, error) {
 	n, err := w.Writer.Write(p)
 	if w.data != nil {
 		w.data.Write(p[:n])
+	}
+	if w.written >= 0 {
+		if w.written == int64(len(w.head)) && len(w.head) < headSize {
+			w.head = append(w.head, p[:min(n, headSize-len(w.head))]...)
+		}
+		w.written += int64(n)
 	}
 	return n, err
 }
@@ -949,29 +1025,44 @@ func (w *labelledWriter) Truncate(size int64) error {
 	} else {
 		w.data = nil
 	}
+	if size == 0 {
+		w.head, w.written = w.head[:0], 0
+	} else {
+		w.head, w.written = nil, -1
+	}
 	return w.Writer.Truncate(size)
 }
 
 func (w *labelledWriter) Commit(ctx context.Context, size int64, expected digest.Digest, opts ...content.Opt) error {
 	labels, ok := w.labels()
-	if !ok {
-		return w.Writer.Commit(ctx, size, expected, opts...)
+	if ok {
+		opts = append(opts, content.WithLabels(labels))
 	}
-	if err := w.Writer.Commit(ctx, size, expected, append(opts, content.WithLabels(labels))...); err != nil {
+	if err := w.Writer.Commit(ctx, size, expected, opts...); err != nil {
 		return err
 	}
 	w.ai.mu.Lock()
-	w.ai.committed[w.Writer.Digest()] = labels
-	if w.data != nil {
-		w.ai.seen[w.desc.Digest] = w.data.Bytes()
+	defer w.ai.mu.Unlock()
+	d := w.Writer.Digest()
+	if size > 0 && w.written == size {
+		// Written whole by this writer (a resumed write began past the start).
+		w.ai.heads[d] = blobHead{data: w.head, size: size}
 	}
-	w.ai.mu.Unlock()
+	if ok {
+		w.ai.committed[d] = labels
+		if w.data != nil {
+			w.ai.seen[w.desc.Digest] = w.data.Bytes()
+		}
+	}
 	return nil
 }
 
-// labels are the blob's labels; false when they cannot be told: a manifest or index whose bytes
-// were not all seen (a resumed write), or are not what its name says.
+// labels are the blob's labels; false when it has none of its own, or they cannot be told: a
+// manifest or index whose bytes were not all seen (a resumed write), or are not what its name says.
 func (w *labelledWriter) labels() (map[string]string, bool) {
+	if w.plain {
+		return nil, false
+	}
 	if w.data == nil && (images.IsManifestType(w.desc.MediaType) || images.IsIndexType(w.desc.MediaType)) {
 		return nil, false
 	}
