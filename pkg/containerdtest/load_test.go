@@ -36,7 +36,7 @@ func TestLoadWrittenAgainIsTheSame(t *testing.T) {
 	}
 	defer dst.Close()
 	tags := map[string]v1.Image{}
-	for _, ref := range []string{"acc.example/a:1", "acc.example/b:1"} {
+	for _, ref := range []string{"acc.example/app-a:1", "acc.example/app-b:1"} {
 		if tags[ref], err = imagetest.Image(64<<10, imagetest.Amd64); err != nil {
 			t.Fatal(err)
 		}
