@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"io"
 	"os"
 	"path"
@@ -130,6 +131,11 @@ func FileOpener(a Archive) Opener {
 		if err != nil {
 			return nil, err
 		}
+		if f, ok := rc.(*os.File); ok {
+			// An uncompressed archive yields its own bytes, never more than its size: the file
+			// itself, which the tar reader seeks through (an index skips its layers unread).
+			return f, nil
+		}
 		return &boundedReader{ReadCloser: rc, left: ExpandedLimit(a), limit: ExpandedLimit(a)}, nil
 	}
 }
@@ -166,13 +172,30 @@ func ReadFile(a Archive) (*Index, digest.Digest, error) { return Read(a, FileOpe
 // naming each bad line; any other error means the archive cannot be imported. Every error names
 // a's path.
 func Read(a Archive, open Opener) (*Index, digest.Digest, error) {
+	h := sha256.New()
+	idx, err := read(a, open, h)
+	if idx == nil {
+		return nil, "", err
+	}
+	return idx, digest.NewDigest(digest.SHA256, h), err
+}
+
+// ReadIndex is Read without the digest, for an archive with nothing recorded to compare it with:
+// it reads only what the index needs, and of an uncompressed archive only its metadata (the tar
+// reader seeks past each layer), where Read reads and hashes it whole.
+func ReadIndex(a Archive, open Opener) (*Index, error) { return read(a, open, nil) }
+
+// read is Read, hashing what open yields into h unless h is nil.
+func read(a Archive, open Opener, h hash.Hash) (*Index, error) {
 	rc, err := open()
 	if err != nil {
-		return nil, "", &ArchiveError{Path: a.Path, Err: err}
+		return nil, &ArchiveError{Path: a.Path, Err: err}
 	}
 	defer rc.Close()
-	h := sha256.New()
-	r := io.TeeReader(rc, h)
+	var r io.Reader = rc
+	if h != nil {
+		r = io.TeeReader(rc, h)
+	}
 	var idx *Index
 	if a.IsList() {
 		idx, err = readList(a, r)
@@ -183,20 +206,20 @@ func Read(a Archive, open Opener) (*Index, digest.Digest, error) {
 				err, tarfile.MaxDecoderMemory>>20)
 		}
 		if err != nil {
-			return nil, "", &ArchiveError{Path: a.Path, Err: err}
+			return nil, &ArchiveError{Path: a.Path, Err: err}
 		}
 	}
 	if idx == nil {
-		return nil, "", err
+		return nil, err
 	}
 	// The tar reader stops at the end-of-archive marker: the padding after it is content too. A
 	// list is hashed as far as it is read (maxListBytes).
-	if !a.IsList() {
+	if h != nil && !a.IsList() {
 		if _, err := io.Copy(io.Discard, r); err != nil {
-			return nil, "", &ArchiveError{Path: a.Path, Err: fmt.Errorf("reading to the end: %w", err)}
+			return nil, &ArchiveError{Path: a.Path, Err: fmt.Errorf("reading to the end: %w", err)}
 		}
 	}
-	return idx, digest.NewDigest(digest.SHA256, h), err
+	return idx, err
 }
 
 func readList(a Archive, text io.Reader) (*Index, error) {
@@ -344,10 +367,7 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 		}
 		tc.present[name] = true
 		if hdr.Size > maxMetadataEntry {
-			if _, err := io.Copy(io.Discard, tr); err != nil {
-				return nil, fmt.Errorf("reading %s: %w", name, err)
-			}
-			continue
+			continue // the next header skips it: read (and hashed) through, or sought past
 		}
 		// Only JSON is kept: what an entry begins with decides, and the rest of one that is not
 		// (a layer) is skipped, not read into memory (reading each of 1,000 archives of ten small
@@ -358,9 +378,6 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 		}
 		lead := bytes.TrimSpace(head[:n])
 		if name != "manifest.json" && (len(lead) > 0 && lead[0] != '{' || len(lead) == 0 && int64(n) == hdr.Size) {
-			if _, err := io.Copy(io.Discard, tr); err != nil {
-				return nil, fmt.Errorf("reading %s: %w", name, err)
-			}
 			continue
 		}
 		data := make([]byte, hdr.Size)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -366,4 +367,66 @@ func FuzzRead(f *testing.F) {
 			}
 		}
 	})
+}
+
+// countingFile is an archive file that counts the bytes read from it.
+type countingFile struct {
+	*os.File
+	read int64
+}
+
+func (f *countingFile) Read(p []byte) (int, error) {
+	n, err := f.File.Read(p)
+	f.read += int64(n)
+	return n, err
+}
+
+// TestReadIndexSeeksPastLayers: an archive never recorded is indexed without its digest: of an
+// uncompressed archive only the metadata is read, the tar reader seeking past each layer, and the
+// index is Read's. FileOpener yields such an archive as the file itself, which seeks.
+func TestReadIndexSeeksPastLayers(t *testing.T) {
+	dir := t.TempDir()
+	img, err := imagetest.Image(8<<20, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "app.tar")
+	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": img}); err != nil {
+		t.Fatal(err)
+	}
+	a := archiveAt(t, path)
+	want, _, err := airgap.ReadFile(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var f *countingFile
+	idx, err := airgap.ReadIndex(a, func() (io.ReadCloser, error) {
+		file, err := os.Open(path)
+		f = &countingFile{File: file}
+		return f, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.read > 1<<20 {
+		t.Errorf("ReadIndex read %d of the archive's %d bytes, want its metadata only", f.read, a.Size)
+	}
+	if !reflect.DeepEqual(idx, want) {
+		t.Errorf("ReadIndex: %+v, want Read's %+v", idx, want)
+	}
+	rc, err := airgap.FileOpener(a)()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	if _, ok := rc.(io.Seeker); !ok {
+		t.Errorf("FileOpener yields an uncompressed archive as %T, which does not seek", rc)
+	}
+	// Truncated inside its layer, it is still refused, sought past or not.
+	if err := os.Truncate(path, a.Size-(4<<20)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := airgap.ReadIndex(archiveAt(t, path), airgap.FileOpener(archiveAt(t, path))); err == nil || !strings.Contains(err.Error(), path) {
+		t.Errorf("ReadIndex of a truncated archive: %v, want an error naming it", err)
+	}
 }

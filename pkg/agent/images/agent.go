@@ -557,13 +557,22 @@ func (a *Agent) recordArchive(rep ArchiveReport, idx *airgap.Index, contentDiges
 }
 
 // index is what ar provides, and the digest of its content. With the recorded size and mtime it
-// comes from the state: a restart reads and imports nothing. Otherwise the archive is read once,
-// index and digest together; if only its mtime moved (`touch`, the usual nudge for k3s issue
+// comes from the state: a restart reads and imports nothing. Never recorded, its index alone is
+// read. Otherwise the archive is read once, index and digest together; if only its mtime moved (`touch`, the usual nudge for k3s issue
 // 2961) the recorded index stands, with the digests its import learnt.
 func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 	rec := a.state.Archives[ar.Name()]
 	if rec.unchanged(ar) {
 		return rec.index(ar), rec.Digest, nil
+	}
+	if rec == nil && !ar.IsList() {
+		// Never recorded: no digest to compare with, and no need of one to load it (a touched
+		// archive is read again anyway, and its images found present). Its index alone is read,
+		// of an uncompressed archive only the metadata: a cold load read and hashed each archive
+		// whole before importing it, which reads it again (for the 1 GiB set, a gigabyte read and
+		// hashed for nothing).
+		idx, err := airgap.ReadIndex(ar, airgap.FileOpener(ar))
+		return idx, "", err
 	}
 	idx, d, err := airgap.ReadFile(ar)
 	if rec != nil && d != "" && rec.Digest == d {

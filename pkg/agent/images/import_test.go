@@ -400,11 +400,12 @@ func TestTouchedArchiveIsNotImportedAgain(t *testing.T) {
 	}
 }
 
-// TestFirstSyncRecordsEachArchivesDigest: the state records the digest airgap.Read gives of each
-// archive, uncompressed or compressed, whether its first sync imported it (a cold sync) or found
-// every image present (a new state on a loaded store), and a touched archive is then not
-// imported again.
-func TestFirstSyncRecordsEachArchivesDigest(t *testing.T) {
+// TestTouchedAfterAFirstSyncIsNotImported: a first sync records no digest of an archive (it reads
+// only the index; nothing to compare with yet), whether it imported the archive (a cold sync) or
+// found every image present (a new state on a loaded store). Touched afterwards, uncompressed or
+// compressed, the archive is read once, its images found present, nothing imported, and the
+// digest airgap.Read gives recorded; touched again, the digests match and its record stands.
+func TestTouchedAfterAFirstSyncIsNotImported(t *testing.T) {
 	n := newNode(t)
 	files := []archiveCase{
 		{file: "plain.tar", refs: []string{"acc.example/plain:1.0"}},
@@ -436,32 +437,38 @@ func TestFirstSyncRecordsEachArchivesDigest(t *testing.T) {
 				t.Errorf("%s: %s imported=%t, want %t", step.what, ar.Archive.Name(), ar.Imported, step.imported)
 			}
 		}
-		st, err := images.LoadState(state)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for name, d := range want {
-			if rec := st.Archives[name]; rec == nil || rec.Digest != d {
-				t.Errorf("%s: %s recorded %+v, want digest %s", step.what, name, rec, d)
-			}
-		}
-		// Touched: the recorded digest stands for the content, nothing is imported again.
-		later := time.Now().Add(time.Hour)
-		for name := range want {
-			if err := os.Chtimes(filepath.Join(n.imagesDir, name), later, later); err != nil {
+		recorded := func(when string, digest func(name string) digest.Digest) {
+			t.Helper()
+			st, err := images.LoadState(state)
+			if err != nil {
 				t.Fatal(err)
 			}
-		}
-		report = images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
-		if err := report.Err(); err != nil {
-			t.Fatal(err)
-		}
-		for _, ar := range report.Archives {
-			for _, r := range ar.Refs {
-				if ar.Imported || r.Result != pinning.AlreadyOurs {
-					t.Errorf("%s, touched: %s imported=%t, %s %s", step.what, ar.Archive.Name(), ar.Imported, r.Ref, r.Result)
+			for name := range want {
+				if rec := st.Archives[name]; rec == nil || rec.Digest != digest(name) || len(rec.Images) != 1 {
+					t.Errorf("%s, %s: %s recorded %+v, want digest %q and its image", step.what, when, name, rec, digest(name))
 				}
 			}
+		}
+		recorded("first", func(string) digest.Digest { return "" })
+		for round, when := range []string{"touched", "touched again"} {
+			later := time.Now().Add(time.Duration(round+1) * time.Hour)
+			for name := range want {
+				if err := os.Chtimes(filepath.Join(n.imagesDir, name), later, later); err != nil {
+					t.Fatal(err)
+				}
+			}
+			report = images.NewAgent(images.Services(n.client), images.Config{ImagesDir: n.imagesDir, StateFile: state}).Sync(n.ctx)
+			if err := report.Err(); err != nil {
+				t.Fatal(err)
+			}
+			for _, ar := range report.Archives {
+				for _, r := range ar.Refs {
+					if ar.Imported || r.Result != pinning.AlreadyOurs {
+						t.Errorf("%s, %s: %s imported=%t, %s %s", step.what, when, ar.Archive.Name(), ar.Imported, r.Ref, r.Result)
+					}
+				}
+			}
+			recorded(when, func(name string) digest.Digest { return want[name] })
 		}
 	}
 }

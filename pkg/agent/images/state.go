@@ -39,7 +39,8 @@ type ArchiveState struct {
 	Size    int64     `json:"size"`
 	ModTime time.Time `json:"modTime"`
 	// Digest is the sha256 of the archive's content (its tar stream, or the list's text), computed
-	// only when size or mtime change.
+	// only when a recorded archive's size or mtime change: empty after a first load (nothing to
+	// compare with then), an archive touched since then is read and checked in containerd once.
 	Digest digest.Digest         `json:"digest"`
 	Format airgap.Format         `json:"format"`
 	Images []airgap.IndexedImage `json:"images"`
