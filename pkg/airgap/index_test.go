@@ -252,6 +252,21 @@ func TestReadIndexSaysWhatEachFileIs(t *testing.T) {
 	}
 }
 
+// oneImageArchive writes app.tar, a docker archive of one image with a random layer of size
+// bytes, in a temp dir.
+func oneImageArchive(t *testing.T, size int64) (string, airgap.Archive) {
+	t.Helper()
+	img, err := imagetest.Image(size, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "app.tar")
+	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": img}); err != nil {
+		t.Fatal(err)
+	}
+	return path, archiveAt(t, path)
+}
+
 func readIndex(a airgap.Archive) (*airgap.Index, error) {
 	idx, _, err := airgap.ReadFile(a)
 	return idx, err
@@ -261,16 +276,7 @@ func readIndex(a airgap.Archive) (*airgap.Index, error) {
 // content read through another opener (bytes in memory) gives the same index and digest; a
 // touched file (new mtime) keeps its digest; different content changes it.
 func TestReadHashesWhatItIndexes(t *testing.T) {
-	dir := t.TempDir()
-	img, err := imagetest.Image(4<<10, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := filepath.Join(dir, "app.tar")
-	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": img}); err != nil {
-		t.Fatal(err)
-	}
-	a := archiveAt(t, path)
+	path, a := oneImageArchive(t, 4<<10)
 	idx, d, err := airgap.ReadFile(a)
 	if err != nil || d == "" {
 		t.Fatalf("ReadFile: %v, digest %q", err, d)
@@ -385,16 +391,7 @@ func (f *countingFile) Read(p []byte) (int, error) {
 // uncompressed archive only the metadata is read, the tar reader seeking past each layer, and the
 // index is Read's. FileOpener yields such an archive as the file itself, which seeks.
 func TestReadIndexSeeksPastLayers(t *testing.T) {
-	dir := t.TempDir()
-	img, err := imagetest.Image(8<<20, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := filepath.Join(dir, "app.tar")
-	if err := imagetest.WriteDocker(path, map[string]v1.Image{"acc.example/app:1": img}); err != nil {
-		t.Fatal(err)
-	}
-	a := archiveAt(t, path)
+	path, a := oneImageArchive(t, 8<<20)
 	want, _, err := airgap.ReadFile(a)
 	if err != nil {
 		t.Fatal(err)
