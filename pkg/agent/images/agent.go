@@ -558,8 +558,9 @@ func (a *Agent) recordArchive(rep ArchiveReport, idx *airgap.Index, contentDiges
 
 // index is what ar provides, and the digest of its content. With the recorded size and mtime it
 // comes from the state: a restart reads and imports nothing. Never recorded, its index alone is
-// read. Otherwise the archive is read once, index and digest together; if only its mtime moved (`touch`, the usual nudge for k3s issue
-// 2961) the recorded index stands, with the digests its import learnt.
+// read. Otherwise the archive is read once, index and digest together; if only its mtime moved
+// (`touch`, the usual nudge for k3s issue 2961) the recorded index stands, with the digests its
+// import learnt.
 func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 	rec := a.state.Archives[ar.Name()]
 	if rec.unchanged(ar) {
