@@ -5,6 +5,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
 )
 
@@ -24,4 +25,10 @@ func ListRecords(ctx context.Context, store images.Store) ([]images.Image, error
 		return nil, err
 	}
 	return slices.Collect(rs.images()), nil
+}
+
+// HeadReaderAt is the reader the import answers a blob it committed with: data, the blob's first
+// bytes, and past them the reader open gives.
+func HeadReaderAt(data []byte, size int64, open func() (content.ReaderAt, error)) content.ReaderAt {
+	return &headReaderAt{head: blobHead{data: data, size: size}, open: open}
 }

@@ -4,7 +4,9 @@ import (
 	"archive/tar"
 	"bytes"
 	"compress/gzip"
+	"crypto/rand"
 	"encoding/json"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -114,5 +116,48 @@ func TestImportUsesACompressedCopyOfALayer(t *testing.T) {
 	}
 	if got := layerOf("layers.example/fresh:1.0"); got.Digest != digest.FromBytes(fresh) {
 		t.Errorf("the layer only the archive has: imported as %s, want the archive's %s", got.Digest, digest.FromBytes(fresh))
+	}
+}
+
+// TestHeadReaderReadsPastItsHeadFromContainerd: a blob the import committed is read from the start
+// its writer kept, and past it from containerd (opened once, only then); a blob kept whole is
+// read to its end, with io.EOF after it, without containerd.
+func TestHeadReaderReadsPastItsHeadFromContainerd(t *testing.T) {
+	n := newNode(t)
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.client.LeasesService().Delete(n.ctx, lease)
+	ctx := leases.WithLease(n.ctx, lease.ID)
+	blob := make([]byte, 100<<10)
+	if _, err := rand.Read(blob); err != nil {
+		t.Fatal(err)
+	}
+	desc := ocispec.Descriptor{Digest: digest.FromBytes(blob), Size: int64(len(blob))}
+	if err := content.WriteBlob(ctx, n.client.ContentStore(), "head-test", bytes.NewReader(blob), desc); err != nil {
+		t.Fatal(err)
+	}
+	opened := 0
+	open := func() (content.ReaderAt, error) { opened++; return n.client.ContentStore().ReaderAt(ctx, desc) }
+	r := images.HeadReaderAt(blob[:32<<10], desc.Size, open)
+	defer r.Close()
+	p := make([]byte, 10)
+	if k, err := r.ReadAt(p, 100); err != nil || k != 10 || !bytes.Equal(p, blob[100:110]) || opened != 0 {
+		t.Errorf("inside the head: %d bytes, %v, opened %d times; want its 10 bytes from memory", k, err, opened)
+	}
+	got, err := io.ReadAll(io.NewSectionReader(r, 0, r.Size()))
+	if err != nil || !bytes.Equal(got, blob) || opened != 1 {
+		t.Errorf("the whole blob: %d bytes (%v), equal %t, containerd opened %d times; want its %d bytes, opened once", len(got), err, bytes.Equal(got, blob), opened, len(blob))
+	}
+	small := blob[:1000]
+	opened = 0
+	whole := images.HeadReaderAt(small, int64(len(small)), open)
+	p = make([]byte, 100)
+	if k, err := whole.ReadAt(p, 950); k != 50 || err != io.EOF || !bytes.Equal(p[:50], small[950:]) {
+		t.Errorf("past the end of a blob kept whole: %d bytes, %v; want its last 50 and io.EOF", k, err)
+	}
+	if k, err := whole.ReadAt(p, 1000); k != 0 || err != io.EOF || opened != 0 {
+		t.Errorf("at the end of a blob kept whole: %d bytes, %v, containerd opened %d times; want io.EOF from memory", k, err, opened)
 	}
 }
