@@ -1044,15 +1044,16 @@ func (w *labelledWriter) Commit(ctx context.Context, size int64, expected digest
 	w.ai.mu.Lock()
 	defer w.ai.mu.Unlock()
 	d := w.Writer.Digest()
-	if size > 0 && w.written == size {
-		// Written whole by this writer (a resumed write began past the start).
-		w.ai.heads[d] = blobHead{data: w.head, size: size}
-	}
 	if ok {
 		w.ai.committed[d] = labels
 		if w.data != nil {
 			w.ai.seen[w.desc.Digest] = w.data.Bytes()
+			return nil // kept whole: no head of it besides
 		}
+	}
+	if size > 0 && w.written == size {
+		// Written whole by this writer (a resumed write began past the start).
+		w.ai.heads[d] = blobHead{data: w.head, size: size}
 	}
 	return nil
 }
