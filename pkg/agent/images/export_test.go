@@ -2,11 +2,13 @@ package images
 
 import (
 	"context"
+	"io"
 	"slices"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 // SetWriterStalled sets how long the import waits on another writer that writes nothing, until
@@ -31,4 +33,10 @@ func ListRecords(ctx context.Context, store images.Store) ([]images.Image, error
 // bytes, and past them the reader open gives.
 func HeadReaderAt(data []byte, size int64, open func() (content.ReaderAt, error)) content.ReaderAt {
 	return &headReaderAt{head: blobHead{data: data, size: size}, open: open}
+}
+
+// ImportLayout imports the OCI image layout read from r into store as a sync does, and returns
+// its index.json's descriptor.
+func ImportLayout(ctx context.Context, store content.Ingester, r io.Reader) (ocispec.Descriptor, error) {
+	return importLayout(ctx, store, r)
 }

@@ -213,7 +213,7 @@ func TestBlobsTheArchiveLacks(t *testing.T) {
 	n.syncExpect(n.agent(nil), "acc.example/good:1.0", map[string]string{
 		"missing-layer.tar":  "is missing from the archive",
 		"missing-config.tar": "is missing from the archive",
-		"wrong-content.tar":  "content missing from the archive",
+		"wrong-content.tar":  "its bytes are not the digest its name gives",
 	}, "acc.example/missing:1", "docker.io/acc.example/missing-config:1", "acc.example/wrong:1")
 }
 

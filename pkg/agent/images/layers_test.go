@@ -20,6 +20,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
 
 // tarOf is a tar stream of the named files, in order.
@@ -159,5 +160,78 @@ func TestHeadReaderReadsPastItsHeadFromContainerd(t *testing.T) {
 	}
 	if k, err := whole.ReadAt(p, 1000); k != 0 || err != io.EOF || opened != 0 {
 		t.Errorf("at the end of a blob kept whole: %d bytes, %v, containerd opened %d times; want io.EOF from memory", k, err, opened)
+	}
+}
+
+// readCounter is an archive file that counts the bytes read from it; a seek past an entry reads
+// none.
+type readCounter struct {
+	*os.File
+	n int64
+}
+
+func (r *readCounter) Read(p []byte) (int, error) {
+	k, err := r.File.Read(p)
+	r.n += int64(k)
+	return k, err
+}
+
+// TestLayoutBlobsAreWrittenAsTheirNames: an OCI layout's blobs are written as the digests their
+// names give, which containerd checks as it commits: the import does not hash them again, and a
+// blob the store holds is not read at all (the tar reader seeks past it). containerd's
+// ImportIndex reads and hashes every blob whatever the store holds.
+func TestLayoutBlobsAreWrittenAsTheirNames(t *testing.T) {
+	n := newNode(t)
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.client.LeasesService().Delete(n.ctx, lease)
+	ctx := leases.WithLease(n.ctx, lease.ID)
+	img, err := imagetest.Image(4<<20, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "layout.tar")
+	if err := imagetest.WriteOCI(path, map[string]any{"acc.example/layout:1": img}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := n.client.ContentStore()
+	load := func() (ocispec.Descriptor, int64) {
+		t.Helper()
+		f, err := os.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		r := &readCounter{File: f}
+		desc, err := images.ImportLayout(ctx, cs, r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc, r.n
+	}
+	desc, first := load()
+	var index []byte
+	for _, e := range readTarEntries(t, path) {
+		if e.hdr.Name == "index.json" {
+			index = e.data
+		}
+	}
+	if desc.Digest != digest.FromBytes(index) || desc.Size != int64(len(index)) || desc.MediaType != ocispec.MediaTypeImageIndex {
+		t.Fatalf("import returned %+v; want index.json's descriptor (%s, %d bytes)", desc, digest.FromBytes(index), len(index))
+	}
+	if _, _, _, missing, err := containerdimages.Check(ctx, cs, desc, platforms.Default()); err != nil || len(missing) > 0 {
+		t.Fatalf("after the import: %d blobs missing (%v); want the image whole", len(missing), err)
+	}
+	if first < st.Size()*9/10 {
+		t.Errorf("the first import read %d of the archive's %d bytes; want it read through", first, st.Size())
+	}
+	if _, again := load(); again > 256<<10 {
+		t.Errorf("importing it again read %d of the archive's %d bytes; want its blobs, all in the store, sought past (under 256 KiB read)", again, st.Size())
 	}
 }
