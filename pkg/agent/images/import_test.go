@@ -16,6 +16,8 @@ import (
 
 	eventstypes "github.com/containerd/containerd/api/events"
 	containerdimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/images/archive"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/platforms"
 	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -653,4 +655,73 @@ func firstBytes(s string, n int) string {
 		return s[:n] + "\n..."
 	}
 	return s
+}
+
+// TestCtrExportedArchiveIsLoaded: k3s's own air-gap tarball is written by `ctr images export`
+// (containerd's archive.Export: an OCI layout, docker's manifest.json beside it, directory
+// entries), so it takes the layout's path (importLayout). Exported from one node and loaded on
+// another, each image is there, pinned, at the same manifest, and whole after containerd's GC has
+// run to its end (what no image's GC labels reach is gone then).
+func TestCtrExportedArchiveIsLoaded(t *testing.T) {
+	refs := []string{"acc.example/exported:1.0", "acc.example/exported-two:2.0"}
+	src := newNode(t)
+	writeArchive(t, src.imagesDir, archiveCase{file: "a.tar", refs: refs[:1]})
+	writeArchive(t, src.imagesDir, archiveCase{file: "b.tar", oci: true, refs: refs[1:]})
+	if err := src.agent(nil).Sync(src.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	dst := newNode(t)
+	path := filepath.Join(dst.imagesDir, "k3s-airgap-images-amd64.tar")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := []archive.ExportOpt{archive.WithPlatform(platforms.DefaultStrict())}
+	for _, ref := range refs {
+		opts = append(opts, archive.WithImage(src.client.ImageService(), ref))
+	}
+	err = archive.Export(src.ctx, src.client.ContentStore(), f, opts...)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]bool{}
+	for _, e := range readTarEntries(t, path) {
+		names[e.hdr.Name] = true
+	}
+	if !names["oci-layout"] || !names["manifest.json"] {
+		t.Fatalf("the export holds %v; want an OCI layout with docker's manifest.json beside it", names)
+	}
+
+	if err := dst.agent(nil).Sync(dst.ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	lease, err := dst.client.LeasesService().Create(dst.ctx, leases.WithRandomID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := dst.client.LeasesService().Delete(dst.ctx, lease, leases.SynchronousDelete); err != nil {
+		t.Fatal(err)
+	}
+	for _, ref := range refs {
+		want, err := src.client.ImageService().Get(src.ctx, ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := dst.client.ImageService().Get(dst.ctx, ref)
+		if err != nil {
+			t.Fatalf("%s from the exported archive: %v", ref, err)
+		}
+		if got.Target.Digest != want.Target.Digest {
+			t.Errorf("%s: target %s; want the exporting node's %s", ref, got.Target.Digest, want.Target.Digest)
+		}
+		if _, _, _, missing, err := containerdimages.Check(dst.ctx, dst.client.ContentStore(), got.Target, platforms.Default()); err != nil || len(missing) > 0 {
+			t.Errorf("%s after containerd's GC: %d blobs missing (%v); want it whole", ref, len(missing), err)
+		}
+		if present, pinned := dst.criPinned(ref); !present || !pinned {
+			t.Errorf("%s: present=%t pinned=%t; want it pinned", ref, present, pinned)
+		}
+	}
 }
