@@ -17,7 +17,6 @@ import (
 	eventstypes "github.com/containerd/containerd/api/events"
 	containerdimages "github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/images/archive"
-	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/platforms"
 	"github.com/containerd/typeurl/v2"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -698,13 +697,7 @@ func TestCtrExportedArchiveIsLoaded(t *testing.T) {
 	if err := dst.agent(nil).Sync(dst.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	lease, err := dst.client.LeasesService().Create(dst.ctx, leases.WithRandomID())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := dst.client.LeasesService().Delete(dst.ctx, lease, leases.SynchronousDelete); err != nil {
-		t.Fatal(err)
-	}
+	dst.collectGarbage()
 	for _, ref := range refs {
 		want, err := src.client.ImageService().Get(src.ctx, ref)
 		if err != nil {

@@ -14,7 +14,6 @@ import (
 
 	"github.com/containerd/containerd/v2/core/content"
 	containerdimages "github.com/containerd/containerd/v2/core/images"
-	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/platforms"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -82,12 +81,7 @@ func TestImportUsesACompressedCopyOfALayer(t *testing.T) {
 	compressed := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayerGzip, Digest: digest.FromBytes(gz.Bytes()), Size: int64(gz.Len())}
 	// A lease stands for the pulled image that refers to the blob: unreferenced, containerd's GC
 	// would collect it.
-	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { n.client.LeasesService().Delete(n.ctx, lease) })
-	if err := content.WriteBlob(leases.WithLease(n.ctx, lease.ID), n.client.ContentStore(), "pulled-layer", bytes.NewReader(gz.Bytes()), compressed,
+	if err := content.WriteBlob(n.leased(), n.client.ContentStore(), "pulled-layer", bytes.NewReader(gz.Bytes()), compressed,
 		content.WithLabels(map[string]string{"containerd.io/uncompressed": digest.FromBytes(pulled).String()})); err != nil {
 		t.Fatal(err)
 	}
@@ -125,12 +119,7 @@ func TestImportUsesACompressedCopyOfALayer(t *testing.T) {
 // read to its end, with io.EOF after it, without containerd.
 func TestHeadReaderReadsPastItsHeadFromContainerd(t *testing.T) {
 	n := newNode(t)
-	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.client.LeasesService().Delete(n.ctx, lease)
-	ctx := leases.WithLease(n.ctx, lease.ID)
+	ctx := n.leased()
 	blob := make([]byte, 100<<10)
 	if _, err := rand.Read(blob); err != nil {
 		t.Fatal(err)
@@ -182,12 +171,7 @@ func (r *readCounter) Read(p []byte) (int, error) {
 // ImportIndex reads and hashes every blob whatever the store holds.
 func TestLayoutBlobsAreWrittenAsTheirNames(t *testing.T) {
 	n := newNode(t)
-	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer n.client.LeasesService().Delete(n.ctx, lease)
-	ctx := leases.WithLease(n.ctx, lease.ID)
+	ctx := n.leased()
 	img, err := imagetest.Image(4<<20, imagetest.Amd64)
 	if err != nil {
 		t.Fatal(err)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -79,4 +80,29 @@ func (n *node) labels(ref string) map[string]string {
 		n.t.Fatalf("get %s: %v", ref, err)
 	}
 	return img.Labels
+}
+
+// leased is n's context with a lease of its own, deleted when the test ends: what is written
+// under it stays until then, as a pulled image's blobs stay under the image.
+func (n *node) leased() context.Context {
+	n.t.Helper()
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	n.t.Cleanup(func() { n.client.LeasesService().Delete(n.ctx, lease) })
+	return leases.WithLease(n.ctx, lease.ID)
+}
+
+// collectGarbage runs containerd's GC to its end: what no image's GC labels or lease reach is
+// gone after it.
+func (n *node) collectGarbage() {
+	n.t.Helper()
+	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	if err := n.client.LeasesService().Delete(n.ctx, lease, leases.SynchronousDelete); err != nil {
+		n.t.Fatal(err)
+	}
 }

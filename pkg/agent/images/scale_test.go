@@ -13,7 +13,6 @@ import (
 
 	containerd "github.com/containerd/containerd/v2/client"
 	containerdimages "github.com/containerd/containerd/v2/core/images"
-	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/pkg/labels"
 	"github.com/containerd/platforms"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -390,13 +389,7 @@ func TestColdLoadLabelsBlobsAsItWritesThem(t *testing.T) {
 	updates := counter.snapshot()["/containerd.services.content.v1.Content/Update"]
 
 	// containerd's GC, run to its end: what no image's GC labels reach is gone after it.
-	lease, err := n.client.LeasesService().Create(n.ctx, leases.WithRandomID())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := n.client.LeasesService().Delete(n.ctx, lease, leases.SynchronousDelete); err != nil {
-		t.Fatal(err)
-	}
+	n.collectGarbage()
 	cs := n.client.ContentStore()
 	blobs, sharedBlobs := map[string]bool{}, map[string]bool{}
 	for _, tag := range tags {
