@@ -375,18 +375,6 @@ func FuzzRead(f *testing.F) {
 	})
 }
 
-// countingFile is an archive file that counts the bytes read from it.
-type countingFile struct {
-	*os.File
-	read int64
-}
-
-func (f *countingFile) Read(p []byte) (int, error) {
-	n, err := f.File.Read(p)
-	f.read += int64(n)
-	return n, err
-}
-
 // TestReadIndexSeeksPastLayers: an archive never recorded is indexed without its digest: of an
 // uncompressed archive only the metadata is read, the tar reader seeking past each layer, and the
 // index is Read's. FileOpener yields such an archive as the file itself, which seeks.
@@ -396,17 +384,17 @@ func TestReadIndexSeeksPastLayers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var f *countingFile
+	var f *imagetest.CountingFile
 	idx, err := airgap.ReadIndex(a, func() (io.ReadCloser, error) {
 		file, err := os.Open(path)
-		f = &countingFile{File: file}
+		f = &imagetest.CountingFile{File: file}
 		return f, err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if f.read > 1<<20 {
-		t.Errorf("ReadIndex read %d of the archive's %d bytes, want its metadata only", f.read, a.Size)
+	if f.BytesRead > 1<<20 {
+		t.Errorf("ReadIndex read %d of the archive's %d bytes, want its metadata only", f.BytesRead, a.Size)
 	}
 	if !reflect.DeepEqual(idx, want) {
 		t.Errorf("ReadIndex: %+v, want Read's %+v", idx, want)

@@ -194,3 +194,17 @@ func writeCompressed(path string, write func(io.Writer) error) (err error) {
 	}
 	return zw.Close()
 }
+
+// CountingFile is an archive file that counts the bytes read from it: a tar reader that seeks
+// past an entry (the file is an io.Seeker) reads none of it, which is what tests of an archive
+// read without its layers measure.
+type CountingFile struct {
+	*os.File
+	BytesRead int64
+}
+
+func (f *CountingFile) Read(p []byte) (int, error) {
+	n, err := f.File.Read(p)
+	f.BytesRead += int64(n)
+	return n, err
+}

@@ -1007,9 +1007,9 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []co
 		// A file of the archive: its images, and its children if it is a manifest or index.
 		lw.refs = ai.idx.Content.Refs[name]
 		lw.desc.MediaType = ai.idx.Content.MediaTypes[name]
-		if d, ok := layoutBlobDigest(name); ok {
-			lw.desc.Digest = d
-		}
+		// Media types are an OCI layout's, whose blobs importLayout writes as the digests their
+		// names give.
+		lw.desc.Digest = wo.Desc.Digest
 		if len(lw.refs) == 0 {
 			lw.plain = true
 		}

@@ -152,19 +152,6 @@ func TestHeadReaderReadsPastItsHeadFromContainerd(t *testing.T) {
 	}
 }
 
-// readCounter is an archive file that counts the bytes read from it; a seek past an entry reads
-// none.
-type readCounter struct {
-	*os.File
-	n int64
-}
-
-func (r *readCounter) Read(p []byte) (int, error) {
-	k, err := r.File.Read(p)
-	r.n += int64(k)
-	return k, err
-}
-
 // TestLayoutBlobsAreWrittenAsTheirNames: an OCI layout's blobs are written as the digests their
 // names give, which containerd checks as it commits: the import does not hash them again, and a
 // blob the store holds is not read at all (the tar reader seeks past it). containerd's
@@ -192,12 +179,12 @@ func TestLayoutBlobsAreWrittenAsTheirNames(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		r := &readCounter{File: f}
+		r := &imagetest.CountingFile{File: f}
 		desc, err := images.ImportLayout(ctx, cs, r)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return desc, r.n
+		return desc, r.BytesRead
 	}
 	desc, first := load()
 	var index []byte
