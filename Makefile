@@ -73,7 +73,8 @@ SOAK_RUNS ?= 1
 soak:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/soak -runs $(SOAK_RUNS) $(SOAK_FLAGS)
 
-## fuzz: the fuzz targets (archive index reader, policy parser), FUZZTIME each (default 60s)
+## fuzz: the fuzz targets (archive index reader, policy parser, the quick reading of a digest
+## reference against the grammar), FUZZTIME each (default 60s)
 fuzz:
 	bash scripts/fuzz.sh
 

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime=${FUZZTIME:-60s}
-for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy; do
+for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy ./pkg/agent/images:FuzzQuickDigestRef; do
   pkg=${target%%:*} name=${target##*:}
   # The fuzzing engine itself sometimes ends a short run with a bare "context deadline exceeded"
   # and no failing input (seen once in four 5 s runs on 2026-12-02): that run is tried again, once.

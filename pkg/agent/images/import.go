@@ -1259,62 +1259,6 @@ func (im *importer) pullList(ctx context.Context, idx *airgap.Index) ([]RefResul
 	return refs, pulled, errors.Join(errs...)
 }
 
-// digestRef is the repo@digest form of ref, as k3s names an imported image and the CRI lists it
-// among an image's RepoDigests; "" when ref is not a reference or d is unknown. Every sync and
-// every keep-set asks it of every wanted reference, and parsing one is regexp work (a fifth of a
-// warm restart's CPU, 2026-12-03): answers are remembered, up to maxDigestRefs of them, until the
-// sync or restore ends (forgetDigestRefs).
-func digestRef(ref string, d digest.Digest) string {
-	key := digestRefKey{ref, d}
-	digestRefs.Lock()
-	dr, ok := digestRefs.m[key]
-	digestRefs.Unlock()
-	if ok {
-		return dr
-	}
-	dr = parseDigestRef(ref, d)
-	digestRefs.Lock()
-	defer digestRefs.Unlock()
-	if len(digestRefs.m) >= maxDigestRefs {
-		clear(digestRefs.m) // a node's references change slowly: start again rather than track use
-	}
-	digestRefs.m[key] = dr
-	return dr
-}
-
-// forgetDigestRefs drops the memo: a daemon between syncs does not keep it (at 10,000 references,
-// 20,000 answers: 2.6 MB less heap between syncs, in heap profiles before and after).
-func forgetDigestRefs() {
-	digestRefs.Lock()
-	defer digestRefs.Unlock()
-	digestRefs.m = map[digestRefKey]string{}
-}
-
-type digestRefKey struct {
-	ref string
-	d   digest.Digest
-}
-
-// maxDigestRefs bounds the memo: ten times the references of a large node (about 20 MB).
-const maxDigestRefs = 100_000
-
-var digestRefs = struct {
-	sync.Mutex
-	m map[digestRefKey]string
-}{m: map[digestRefKey]string{}}
-
-func parseDigestRef(ref string, d digest.Digest) string {
-	named, err := reference.ParseNormalizedNamed(ref)
-	if err != nil || d == "" {
-		return ""
-	}
-	c, err := reference.WithDigest(reference.TrimNamed(named), d)
-	if err != nil {
-		return ""
-	}
-	return c.String()
-}
-
 // normalize is ref as containerd names it (nginx:1 is docker.io/library/nginx:1), or ref.
 func normalize(ref string) string {
 	named, err := reference.ParseDockerRef(ref)
