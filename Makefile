@@ -59,6 +59,7 @@ e2e:
 ## then the fleet row on make cluster-e2e's cluster (a 51 MiB image to two peers through k3s's
 ## embedded registry, against ctr images import) (root)
 bench:
+	bash scripts/bench-needs.sh
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/bench $(BENCH_FLAGS)
 	$(GO) test -run '^$$' -bench . -benchmem ./pkg/...
 	bash scripts/k3s-bench.sh
