@@ -61,8 +61,8 @@ func parseDigestRef(ref string, d digest.Digest) string {
 }
 
 // grammarDigestRef is digestRef's answer from the reference grammar (regular expressions: a
-// warm restart of 1,000 references asks about 3,000 names, and parsing them this way was a
-// quarter of its own CPU in a profile of 2026-12-07).
+// warm restart asks it of every wanted name and every name the store lists, and parsing them
+// this way was a quarter of the agent's CPU in a profile of 2026-12-07).
 func grammarDigestRef(ref string, d digest.Digest) string {
 	named, err := reference.ParseNormalizedNamed(ref)
 	if err != nil || d == "" {
