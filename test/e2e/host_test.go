@@ -238,6 +238,12 @@ func tail(s string, count int) string {
 // await polls cond every 200 ms until it holds or d passes, and returns how long it took.
 func (h *host) await(d time.Duration, what string, cond func() bool) time.Duration {
 	h.t.Helper()
+	return h.awaitEvery(d, 200*time.Millisecond, what, cond)
+}
+
+// awaitEvery is await polling every interval: a figure read off the poll is as fine as it.
+func (h *host) awaitEvery(d, interval time.Duration, what string, cond func() bool) time.Duration {
+	h.t.Helper()
 	start := time.Now()
 	for !cond() {
 		select {
@@ -248,7 +254,7 @@ func (h *host) await(d time.Duration, what string, cond func() bool) time.Durati
 		if time.Since(start) > d {
 			h.t.Fatalf("not within %s: %s", d, what)
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(interval)
 	}
 	return time.Since(start)
 }

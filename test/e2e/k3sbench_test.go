@@ -377,33 +377,17 @@ func (n *k3sNode) loaded(refs []string) bool {
 
 // awaitReady waits until the node is Ready by a status the kubelet of the start at start posted
 // (the Node keeps the previous run's Ready until then), and returns the time since start. It reads
-// the Node from the API server itself, every 50 ms: kubectl (k3s's 270 MB multicall binary,
-// started for each look: 0.16-0.20 s a call here) with 200 ms between looks made the figure
-// coarser, about 0.4 s, than the warm restarts' differences it is compared on. A heartbeat is
-// written to the second, and one in the second k3s started in can only be the previous k3s's (no
-// kubelet of this start posts that soon): counted (start.Truncate, before), it is the likeliest
-// reading of one warm restart Ready in 4.0 s, as soon as the API server answered, against 6.0-6.8
-// for every other restart of that run.
+// the Node from the API server every 50 ms: polling kubectl (a process per look) gave steps of
+// about 0.4 s, coarser than the warm restarts' differences (docs/costs.md, 2026-12-07).
 func (n *k3sNode) awaitReady(start time.Time) time.Duration {
 	n.t.Helper()
 	api := n.apiClient()
-	deadline := time.Now().Add(30 * time.Minute)
-	for !n.readySince(api, start) {
-		select {
-		case <-n.exited:
-			n.t.Fatalf("the node's process exited while waiting for the node Ready; its log ends:\n%s", lastLines(n.log, 30))
-		default:
-		}
-		if time.Now().After(deadline) {
-			n.t.Fatalf("not within 30m: the node Ready")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	n.awaitEvery(30*time.Minute, 50*time.Millisecond, "the node Ready", func() bool { return n.readySince(api, start) })
 	return time.Since(start)
 }
 
-// apiClient is an HTTPS client of the node's API server with k3s's admin client certificate
-// (what the kubeconfig k3s writes holds).
+// apiClient is an HTTPS client of the node's API server (127.0.0.1:6443, as the kubeconfig k3s
+// writes has it) with k3s's admin client certificate.
 func (n *k3sNode) apiClient() *http.Client {
 	n.t.Helper()
 	tlsDir := filepath.Join(n.data, "server", "tls")
@@ -424,8 +408,9 @@ func (n *k3sNode) apiClient() *http.Client {
 	}}
 }
 
-// readySince says whether the Node's Ready condition is True with a heartbeat at or after since
-// (heartbeats are whole seconds: one in since's own second is before it).
+// readySince says whether the Node's Ready condition is True with a heartbeat at or after since.
+// Heartbeats are whole seconds: one in since's own second can only be the previous k3s's (no
+// kubelet of this start posts that soon), so it is before since, not counted.
 func (n *k3sNode) readySince(api *http.Client, since time.Time) bool {
 	resp, err := api.Get("https://127.0.0.1:6443/api/v1/nodes/" + k3sNodeName)
 	if err != nil {
