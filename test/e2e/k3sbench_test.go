@@ -50,6 +50,7 @@ type k3sBenchBoot struct {
 	blobs, records     uint64               // what the load left in containerd: blobs, image records
 	ids                uint64               // of the records, the CRI's image ID records (sha256:<config digest>)
 	warmCache, warmNew time.Duration        // warm restart to Ready: with .cache.json, and without it
+	warmCacheLog       k3sStartLog          // what the warm restart with .cache.json logged
 	left               *containerdtest.Load // what the load left, when the boot was asked to keep it
 }
 
@@ -66,7 +67,8 @@ type k3sBenchFloor struct {
 //
 //   - cold boot: from the start of `k3s server` to every agent/images reference present (and
 //     pinned, with k3s-pinning), and to the node Ready (its Ready condition posted by this start);
-//   - warm restart (SIGTERM, start again, nothing changed) to Ready, with .cache.json and without;
+//   - warm restart (SIGTERM, start again, nothing changed) to Ready, with .cache.json and without,
+//     and the first split by its log: to k3s calling the kubelet, to the kubelet running, to Ready;
 //   - VmRSS and VmHWM of the k3s process 10 s after the load, with k3s-pinning minus without;
 //   - the floor of the cold boot: stock k3s on an empty images dir, and what the first boot with
 //     k3s-pinning left in containerd written from memory as soon as its containerd answers
@@ -252,23 +254,34 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 	t.Logf("cold boot: images %s (the load from containerd answering %s), Ready %s, VmRSS %.1f MiB (VmHWM %.1f); containerd's transactions in the load %d (it left %d blobs and %d image records, %d of them the CRI's image IDs)",
 		b.images.Round(time.Millisecond), b.load.Round(time.Millisecond), b.ready.Round(time.Millisecond), b.rss, b.hwm, b.writes, b.blobs, b.records, b.ids)
 
+	cold := readK3sStartLog(t, n.log, start)
 	n.stop()
 	start = n.benchStart()
 	b.warmCache = n.awaitReady(start)
+	b.warmCacheLog = readK3sStartLog(t, n.log, start)
 	n.stop()
 	if err := os.Remove(cache); err != nil {
 		t.Fatal(err)
 	}
 	start = n.benchStart()
 	b.warmNew = n.awaitReady(start)
+	warmNewLog := readK3sStartLog(t, n.log, start)
 	if !n.loaded(refs) {
 		t.Errorf("after the restart without .cache.json, not every reference is loaded")
 	}
 	t.Logf("warm restart to Ready: %s with .cache.json, %s without; archives imported again by k3s: %d with .cache.json, %d without",
-		b.warmCache.Round(time.Millisecond), b.warmNew.Round(time.Millisecond), k3sImports(t, n.logs[1]), k3sImports(t, n.logs[2]))
+		b.warmCache.Round(time.Millisecond), b.warmNew.Round(time.Millisecond), b.warmCacheLog.imports, warmNewLog.imports)
+	for _, r := range []struct {
+		what  string
+		log   k3sStartLog
+		ready time.Duration
+	}{{"with .cache.json", b.warmCacheLog, b.warmCache}, {"without .cache.json", warmNewLog, b.warmNew}} {
+		t.Logf("warm restart %s: the kubelet called %s after the start (agent/images loaded), running %s after it (once the API server was ready), Ready %s after it",
+			r.what, r.log.called.Round(time.Millisecond), r.log.running.Round(time.Millisecond), r.ready.Round(time.Millisecond))
+	}
 	if withPinning {
-		t.Logf("k3s-pinning's start-up sync, before the kubelet starts: %s at the cold boot, %s and %s at the restarts",
-			k3sPinningSync(t, n.logs[0]), k3sPinningSync(t, n.logs[1]), k3sPinningSync(t, n.logs[2]))
+		t.Logf("k3s-pinning's start-up sync, before k3s calls the kubelet: %s at the cold boot, %s and %s at the restarts",
+			cold.sync, b.warmCacheLog.sync, warmNewLog.sync)
 	}
 	n.stop()
 	return b
@@ -317,28 +330,72 @@ func k3sBenchFloorOnce(t *testing.T, bin string, set k3sBenchSet, left *containe
 	return f
 }
 
-// k3sImports counts the archives stock k3s's import read in one start's log.
-func k3sImports(t *testing.T, log string) int {
-	data, err := os.ReadFile(log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.Count(string(data), "Importing images from ")
+// k3sStartLog is what one start's log says about its way to the kubelet.
+type k3sStartLog struct {
+	imports int    // archives stock k3s's import read ("Importing images from ")
+	sync    string // k3s-pinning's start-up sync as StartK3s logs it ("... loaded and pinned in 12ms; ...")
+	// called is when k3s called the kubelet, since the start: containerd is up and agent/images
+	// loaded (k3s-pinning's sync or k3s's own import ended; it logs "Running kubelet" then).
+	// running is when the kubelet runs ("Kubelet version"): it also waits for the API server to be
+	// ready, which k3s asks every 2 s (GET /readyz, k3s pkg/util/api.go, from before containerd
+	// starts). Both from the klog lines of the log (microseconds, this host's clock):
+	// called is the first after k3s's "Running kubelet" line (k3s's own lines are whole seconds);
+	// zero when not logged.
+	called, running time.Duration
 }
 
-// k3sPinningSync is how long k3s-pinning's start-up sync took in one start's log, as StartK3s
-// logs it ("... loaded and pinned in 12ms; following it"): k3s waits for it before the kubelet.
-func k3sPinningSync(t *testing.T, log string) string {
+// readK3sStartLog reads the log of the start at start.
+func readK3sStartLog(t *testing.T, log string, start time.Time) k3sStartLog {
+	t.Helper()
 	data, err := os.ReadFile(log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, after, found := strings.Cut(string(data), " loaded and pinned in ")
-	took, _, _ := strings.Cut(after, ";")
-	if !found || len(took) > 20 {
-		return "(not logged)"
+	text := string(data)
+	l := k3sStartLog{imports: strings.Count(text, "Importing images from "), sync: "(not logged)"}
+	if _, after, found := strings.Cut(text, " loaded and pinned in "); found {
+		if took, _, _ := strings.Cut(after, ";"); len(took) <= 20 {
+			l.sync = took
+		}
 	}
-	return took
+	calling := false
+	for line := range strings.Lines(text) {
+		if !calling && strings.Contains(line, `level=info msg="Running kubelet `) {
+			calling = true
+			continue
+		}
+		at, ok := klogTime(line, start)
+		if !ok {
+			continue
+		}
+		if calling && l.called == 0 {
+			l.called = at.Sub(start)
+		}
+		if strings.Contains(line, `"Kubelet version"`) {
+			l.running = at.Sub(start)
+			break
+		}
+	}
+	return l
+}
+
+// klogTime is the time of a klog line ("I1207 12:59:29.768352  11459 server.go:541] ..."), which
+// gives no year: the one that puts it nearest near.
+func klogTime(line string, near time.Time) (time.Time, bool) {
+	if len(line) < 21 || !strings.ContainsRune("IWEF", rune(line[0])) {
+		return time.Time{}, false
+	}
+	at, err := time.ParseInLocation("0102 15:04:05.000000", line[1:21], time.Local)
+	if err != nil {
+		return time.Time{}, false
+	}
+	at = at.AddDate(near.Year(), 0, 0)
+	if at.Sub(near) > 180*24*time.Hour {
+		at = at.AddDate(-1, 0, 0)
+	} else if near.Sub(at) > 180*24*time.Hour {
+		at = at.AddDate(1, 0, 0)
+	}
+	return at, true
 }
 
 // benchStart starts `k3s server` with the node's arguments, and nothing else: k3s-pinning's
@@ -483,6 +540,9 @@ func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot, floors []k3sBench
 		ws, ss := best(with, w.f), best(stock, w.f)
 		rows = append(rows, []string{"k3s warm restart to Ready, " + w.what + ": " + set.what, secs(ws), secs(ss) + " stock k3s (its best with .cache.json " + secs(stockWarm) + ")",
 			ratio(ws, stockWarm), "<= stock's best", met(ws <= stockWarm)})
+		if w.what == "with .cache.json" {
+			rows = append(rows, warmPhaseRows(set, with, stock)...)
+		}
 	}
 	// What the load's time follows: containerd's metadata transactions (one sync of the disk
 	// each), ours against stock k3s's, and a floor for any load through containerd's API that
@@ -502,6 +562,38 @@ func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot, floors []k3sBench
 			fmt.Sprintf("%.1f MiB stock k3s", least(stock, func(b k3sBenchBoot) float64 { return b.rss })), "-", "<= 32 MiB", met(rss <= 32)},
 		[]string{"k3s peak memory added by the load (VmHWM, with minus stock): " + set.what, fmt.Sprintf("%+.1f MiB", hwm),
 			fmt.Sprintf("%.1f MiB stock k3s", least(stock, func(b k3sBenchBoot) float64 { return b.hwm })), "-", "<= 64 MiB", met(hwm <= 64)})
+	return rows
+}
+
+// warmPhaseRows split the warm restart with .cache.json by its log (k3sStartLog), best of each
+// side for each part. k3s-pinning's sync ends before k3s calls the kubelet, and the kubelet then
+// waits for k3s's poll to find the API server ready: on a server node 2.4-3.0 s later at each of
+// 26 warm restarts with k3s-pinning (1 GiB set, 2026-12-07 afternoon), so the sync is on the way
+// to Ready only where the API server is ready first (an agent node whose server is up: not
+// measured).
+func warmPhaseRows(set k3sBenchSet, with, stock []k3sBenchBoot) [][]string {
+	var rows [][]string
+	for _, p := range []struct {
+		what string
+		f    func(k3sBenchBoot) time.Duration
+	}{
+		{"  its start to k3s calling the kubelet (containerd up, agent/images loaded)", func(b k3sBenchBoot) time.Duration { return b.warmCacheLog.called }},
+		{"  its start to the kubelet running (it waits for the API server to be ready)", func(b k3sBenchBoot) time.Duration { return b.warmCacheLog.running }},
+		{"  the kubelet running to the node Ready", func(b k3sBenchBoot) time.Duration {
+			if b.warmCacheLog.running == 0 {
+				return 0
+			}
+			return b.warmCache - b.warmCacheLog.running
+		}},
+	} {
+		ws, ss := slices.Min(mapBoots(with, p.f)), slices.Min(mapBoots(stock, p.f))
+		if ws <= 0 || ss <= 0 {
+			rows = append(rows, []string{p.what + ": " + set.what, "(not logged)", "-", "-", "-", "-"})
+			continue
+		}
+		rows = append(rows, []string{p.what + ": " + set.what, fmt.Sprintf("%.3f s", ws.Seconds()), fmt.Sprintf("%.3f s stock k3s", ss.Seconds()),
+			fmt.Sprintf("%.3f", ws.Seconds()/ss.Seconds()), "-", "-"})
+	}
 	return rows
 }
 
@@ -555,4 +647,29 @@ func k3sSizeRows(t *testing.T, bin string) [][]string {
 		rows = append(rows, []string{"k3s-pinning-image.tar (make release, amd64, arm64 and arm)", mb(size(filepath.Join(rel, "k3s-pinning-image.tar"))), "-", "-", "-", "-"})
 	}
 	return rows
+}
+
+// TestReadK3sStartLog reads the lines of a warm restart's log that the bench splits it by (taken
+// from a k3s master 469d009fb log of 2026-12-07, with k3s-pinning), at a start in the year before
+// the log's: klog gives no year.
+func TestReadK3sStartLog(t *testing.T) {
+	log := filepath.Join(t.TempDir(), "k3s.log")
+	lines := `time="2026-12-31T23:59:57Z" level=info msg="Starting k3s v1.36.3+k3s-pinning-98a29729 (98a29729)"
+I1231 23:59:58.519077   10498 options.go:263] external host was not specified, using 192.0.2.2
+time="2026-12-31T23:59:59Z" level=info msg="k3s-pinning: /data/agent/images loaded and pinned in 14ms; following it"
+time="2026-12-31T23:59:59Z" level=info msg="Running kubelet --config-dir=/data/agent/etc/kubelet.conf.d"
+I1231 23:59:59.577618   10498 dynamic_cafile_content.go:161] "Starting controller" name="request-header::/data/server/tls/request-header-ca.crt"
+time="2027-01-01T00:00:02Z" level=info msg="Importing images from /data/agent/images/a.tar"
+I0101 00:00:02.545521   10498 server.go:541] "Kubelet version" kubeletVersion="v1.36.3+k3s-pinning-98a29729"
+I0101 00:00:02.786619   10498 server.go:1280] "Started kubelet"
+`
+	if err := os.WriteFile(log, []byte(lines), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Date(2026, 12, 31, 23, 59, 57, 500_000_000, time.Local)
+	got := readK3sStartLog(t, log, start)
+	want := k3sStartLog{imports: 1, sync: "14ms", called: 2077618 * time.Microsecond, running: 5045521 * time.Microsecond}
+	if got != want {
+		t.Errorf("readK3sStartLog = %+v, want %+v", got, want)
+	}
 }
