@@ -276,8 +276,8 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 		log   k3sStartLog
 		ready time.Duration
 	}{{"with .cache.json", b.warmCacheLog, b.warmCache}, {"without .cache.json", warmNewLog, b.warmNew}} {
-		t.Logf("warm restart %s: the kubelet called %s after the start (agent/images loaded), running %s after it (once the API server was ready), Ready %s after it",
-			r.what, r.log.called.Round(time.Millisecond), r.log.running.Round(time.Millisecond), r.ready.Round(time.Millisecond))
+		t.Logf("warm restart %s: the kubelet called %s-%s after the start (agent/images loaded), running %s after it (once the API server was ready), Ready %s after it",
+			r.what, r.log.calledFrom.Round(time.Millisecond), r.log.calledBy.Round(time.Millisecond), r.log.running.Round(time.Millisecond), r.ready.Round(time.Millisecond))
 	}
 	if withPinning {
 		t.Logf("k3s-pinning's start-up sync, before k3s calls the kubelet: %s at the cold boot, %s and %s at the restarts",
@@ -334,14 +334,14 @@ func k3sBenchFloorOnce(t *testing.T, bin string, set k3sBenchSet, left *containe
 type k3sStartLog struct {
 	imports int    // archives stock k3s's import read ("Importing images from ")
 	sync    string // k3s-pinning's start-up sync as StartK3s logs it ("... loaded and pinned in 12ms; ...")
-	// called is when k3s called the kubelet, since the start: containerd is up and agent/images
-	// loaded (k3s-pinning's sync or k3s's own import ended; it logs "Running kubelet" then).
-	// running is when the kubelet runs ("Kubelet version"): it also waits for the API server to be
-	// ready, which k3s asks every 2 s (GET /readyz, k3s pkg/util/api.go, from before containerd
-	// starts). Both from the klog lines of the log (microseconds, this host's clock):
-	// called is the first after k3s's "Running kubelet" line (k3s's own lines are whole seconds);
-	// zero when not logged.
-	called, running time.Duration
+	// k3s called the kubelet between calledFrom and calledBy after the start: containerd is up and
+	// agent/images loaded (k3s-pinning's sync or k3s's own import ended; k3s logs "Running
+	// kubelet" then). running is when the kubelet runs ("Kubelet version"): it also waits for the
+	// API server to be ready, which k3s asks every 2 s (GET /readyz, k3s pkg/util/api.go, from
+	// before containerd starts). From the klog lines of the log (microseconds, this host's clock)
+	// and k3s's own (whole seconds): the call lies between the lines around "Running kubelet",
+	// within that line's second. Zero when not logged.
+	calledFrom, calledBy, running time.Duration
 }
 
 // readK3sStartLog reads the log of the start at start.
@@ -358,25 +358,47 @@ func readK3sStartLog(t *testing.T, log string, start time.Time) k3sStartLog {
 			l.sync = took
 		}
 	}
+	var before time.Time // the last klog line so far
 	calling := false
 	for line := range strings.Lines(text) {
 		if !calling && strings.Contains(line, `level=info msg="Running kubelet `) {
+			sec, ok := logrusTime(line)
+			if !ok {
+				break
+			}
 			calling = true
+			l.calledFrom, l.calledBy = sec.Sub(start), sec.Add(time.Second).Sub(start)
+			if before.After(sec) {
+				l.calledFrom = before.Sub(start)
+			}
 			continue
 		}
 		at, ok := klogTime(line, start)
 		if !ok {
 			continue
 		}
-		if calling && l.called == 0 {
-			l.called = at.Sub(start)
+		before = at
+		if calling && at.Sub(start) < l.calledBy {
+			l.calledBy = at.Sub(start)
 		}
-		if strings.Contains(line, `"Kubelet version"`) {
+		if calling && strings.Contains(line, `"Kubelet version"`) {
 			l.running = at.Sub(start)
 			break
 		}
 	}
 	return l
+}
+
+// logrusTime is the time of a line k3s logs itself (time="2026-12-07T12:59:29Z" ...): whole
+// seconds.
+func logrusTime(line string) (time.Time, bool) {
+	_, after, found := strings.Cut(line, `time="`)
+	value, _, closed := strings.Cut(after, `"`)
+	if !found || !closed {
+		return time.Time{}, false
+	}
+	at, err := time.Parse(time.RFC3339, value)
+	return at, err == nil
 }
 
 // klogTime is the time of a klog line ("I1207 12:59:29.768352  11459 server.go:541] ..."), which
@@ -577,7 +599,7 @@ func warmPhaseRows(set k3sBenchSet, with, stock []k3sBenchBoot) [][]string {
 		what string
 		f    func(k3sBenchBoot) time.Duration
 	}{
-		{"  its start to k3s calling the kubelet (containerd up, agent/images loaded)", func(b k3sBenchBoot) time.Duration { return b.warmCacheLog.called }},
+		{"  its start to k3s calling the kubelet, at the latest (containerd up, agent/images loaded)", func(b k3sBenchBoot) time.Duration { return b.warmCacheLog.calledBy }},
 		{"  its start to the kubelet running (it waits for the API server to be ready)", func(b k3sBenchBoot) time.Duration { return b.warmCacheLog.running }},
 		{"  the kubelet running to the node Ready", func(b k3sBenchBoot) time.Duration {
 			if b.warmCacheLog.running == 0 {
@@ -649,27 +671,48 @@ func k3sSizeRows(t *testing.T, bin string) [][]string {
 	return rows
 }
 
-// TestReadK3sStartLog reads the lines of a warm restart's log that the bench splits it by (taken
-// from a k3s master 469d009fb log of 2026-12-07, with k3s-pinning), at a start in the year before
-// the log's: klog gives no year.
+// TestReadK3sStartLog reads the lines of a warm restart's log that the bench splits it by (as a
+// k3s master 469d009fb log of 2026-12-07 has them, with k3s-pinning), across a year's end: klog
+// gives no year, k3s's own lines no fraction of a second.
 func TestReadK3sStartLog(t *testing.T) {
+	start := time.Date(2026, 12, 31, 23, 59, 57, 500_000_000, time.Local)
+	k3sLine := func(after time.Duration, msg string) string {
+		return fmt.Sprintf("time=%q level=info msg=%q\n", start.Add(after).Truncate(time.Second).Format(time.RFC3339), msg)
+	}
+	klogLine := func(after time.Duration, rest string) string {
+		return "I" + start.Add(after).Format("0102 15:04:05.000000") + "   10498 " + rest + "\n"
+	}
+	lines := k3sLine(0, "Starting k3s v1.36.3+k3s-pinning-98a29729 (98a29729)") +
+		klogLine(1019077*time.Microsecond, "options.go:263] external host was not specified, using 192.0.2.2") +
+		k3sLine(1600*time.Millisecond, "k3s-pinning: /data/agent/images loaded and pinned in 14ms; following it") +
+		k3sLine(1600*time.Millisecond, "Running kubelet --config-dir=/data/agent/etc/kubelet.conf.d") +
+		klogLine(2077618*time.Microsecond, `dynamic_cafile_content.go:161] "Starting controller" name="request-header::/data/server/tls/request-header-ca.crt"`) +
+		k3sLine(4600*time.Millisecond, "Importing images from /data/agent/images/a.tar") +
+		klogLine(5045521*time.Microsecond, `server.go:541] "Kubelet version" kubeletVersion="v1.36.3+k3s-pinning-98a29729"`) +
+		klogLine(5286619*time.Microsecond, `server.go:1280] "Started kubelet"`)
 	log := filepath.Join(t.TempDir(), "k3s.log")
-	lines := `time="2026-12-31T23:59:57Z" level=info msg="Starting k3s v1.36.3+k3s-pinning-98a29729 (98a29729)"
-I1231 23:59:58.519077   10498 options.go:263] external host was not specified, using 192.0.2.2
-time="2026-12-31T23:59:59Z" level=info msg="k3s-pinning: /data/agent/images loaded and pinned in 14ms; following it"
-time="2026-12-31T23:59:59Z" level=info msg="Running kubelet --config-dir=/data/agent/etc/kubelet.conf.d"
-I1231 23:59:59.577618   10498 dynamic_cafile_content.go:161] "Starting controller" name="request-header::/data/server/tls/request-header-ca.crt"
-time="2027-01-01T00:00:02Z" level=info msg="Importing images from /data/agent/images/a.tar"
-I0101 00:00:02.545521   10498 server.go:541] "Kubelet version" kubeletVersion="v1.36.3+k3s-pinning-98a29729"
-I0101 00:00:02.786619   10498 server.go:1280] "Started kubelet"
-`
 	if err := os.WriteFile(log, []byte(lines), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	start := time.Date(2026, 12, 31, 23, 59, 57, 500_000_000, time.Local)
 	got := readK3sStartLog(t, log, start)
-	want := k3sStartLog{imports: 1, sync: "14ms", called: 2077618 * time.Microsecond, running: 5045521 * time.Microsecond}
+	// The call: after 23:59:59 (k3s's line's second; the klog line before it is earlier), by the
+	// klog line after it.
+	want := k3sStartLog{imports: 1, sync: "14ms", calledFrom: 1500 * time.Millisecond, calledBy: 2077618 * time.Microsecond, running: 5045521 * time.Microsecond}
 	if got != want {
-		t.Errorf("readK3sStartLog = %+v, want %+v", got, want)
+		t.Errorf("readK3sStartLog = %+v, want %+v\n%s", got, want, lines)
+	}
+
+	// No klog line between the call and the kubelet running (the API server was ready first, and
+	// quiet): the call was within k3s's line's second.
+	quiet := k3sLine(0, "Starting k3s v1.36.3+k3s-pinning-98a29729 (98a29729)") +
+		k3sLine(1600*time.Millisecond, "Running kubelet --config-dir=/data/agent/etc/kubelet.conf.d") +
+		klogLine(5045521*time.Microsecond, `server.go:541] "Kubelet version" kubeletVersion="v1.36.3+k3s-pinning-98a29729"`)
+	if err := os.WriteFile(log, []byte(quiet), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got = readK3sStartLog(t, log, start)
+	want = k3sStartLog{sync: "(not logged)", calledFrom: 1500 * time.Millisecond, calledBy: 2500 * time.Millisecond, running: 5045521 * time.Microsecond}
+	if got != want {
+		t.Errorf("readK3sStartLog = %+v, want %+v\n%s", got, want, quiet)
 	}
 }
