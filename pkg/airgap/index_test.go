@@ -12,6 +12,7 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/opencontainers/go-digest"
+	"github.com/rancher/wharfie/pkg/tarfile"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
@@ -414,4 +415,40 @@ func TestReadIndexSeeksPastLayers(t *testing.T) {
 	if _, err := airgap.ReadIndex(archiveAt(t, path), airgap.FileOpener(archiveAt(t, path))); err == nil || !strings.Contains(err.Error(), path) {
 		t.Errorf("ReadIndex of a truncated archive: %v, want an error naming it", err)
 	}
+}
+
+// TestReadsLZ4FramesWharfieRejects: testdata/v2-rejects.tar.lz4 is a valid lz4 frame (a docker
+// archive of two tags of one image, written by imagetest) that the amd64 decoder of pierrec/lz4
+// v2, wharfie's and so k3s's, rejects; the archive reader loads it.
+func TestReadsLZ4FramesWharfieRejects(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "v2-rejects.tar.lz4")
+	data, err := os.ReadFile("testdata/v2-rejects.tar.lz4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	idx, _, err := airgap.ReadFile(archiveAt(t, path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var refs []string
+	for _, img := range idx.Images {
+		refs = append(refs, img.Ref)
+	}
+	if idx.Format != airgap.DockerArchive || !reflect.DeepEqual(refs, []string{"docker.io/library/app:1", "acc.example/app:2"}) {
+		t.Errorf("index: %s %v, want the docker archive's two tags", idx.Format, refs)
+	}
+	open, err := tarfile.GetOpener(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	_, err = io.Copy(io.Discard, rc)
+	t.Logf("wharfie's own decoder on it: %v", err)
 }
