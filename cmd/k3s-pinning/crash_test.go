@@ -143,7 +143,7 @@ func TestKilledAtEachCrashPoint(t *testing.T) {
 				t.Errorf("no import lease after SIGKILL at %s: the content was held by none", point)
 			}
 
-			startRun(t, common...)
+			next := startRun(t, common...)
 			waitPresentAndPinned(t, refs, common...)
 			// The killed run's lease is the next run's to delete, at its first sync, which may come
 			// after the references are seen (the killed run had created them at state-write).
@@ -169,8 +169,11 @@ func TestKilledAtEachCrashPoint(t *testing.T) {
 					t.Fatal("the next run did not record second.tar.zst in the state within a minute")
 				}
 			}
+			// Stopped, so that no save of its own is under way when the dir is read (on a busy disk
+			// one was seen mid-fsync).
+			next.stop(t)
 			if temps, _ := filepath.Glob(filepath.Join(filepath.Dir(state), ".state-*.json")); len(temps) != 0 {
-				t.Errorf("temporary state files left after the next run saved: %v", temps)
+				t.Errorf("temporary state files left after the next run saved and stopped: %v", temps)
 			}
 		})
 	}

@@ -70,6 +70,14 @@ func findingsOf(s *images.Snapshot) []finding {
 		out = append(out, finding{Subject: "state file", Problem: "cannot be written: " + s.Agent.StateError,
 			Fix: "make the state dir writable or free space; until then the agent protects from memory and re-indexes at restart"})
 	}
+	if s.StateUnreadable != "" {
+		out = append(out, finding{Subject: "state file", Problem: "cannot be read: " + s.StateUnreadable + "; nothing is unpinned for it",
+			Fix: "none needed: the agent keeps it aside and writes the state again at its next sync (`k3s-pinning sync`, or the running agent's next reconcile)"})
+	}
+	for _, path := range s.StateSetAside {
+		out = append(out, finding{Subject: path, Problem: "a state file that could not be read, kept aside; the agent rebuilt its state from containerd and unpinned nothing for it",
+			Fix: "look at it if you want to know how it was damaged, then remove it"})
+	}
 	for _, m := range s.Misspelled {
 		out = append(out, finding{Subject: m.Ref, Problem: "misspelled pin label " + m.Label + ": the image is not protected by it",
 			Fix: fmt.Sprintf("add it to --pinned-images, or label it: ctr -n k8s.io images label %s %s=%s", m.Ref, pinning.LabelPinned, pinning.PinnedValue)})

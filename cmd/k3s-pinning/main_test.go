@@ -10,6 +10,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
@@ -82,6 +83,17 @@ func startProcess(t *testing.T, cmd *exec.Cmd) *agentProcess {
 	go func() { p.waitErr = p.cmd.Wait(); close(p.exited) }()
 	t.Cleanup(func() { p.cmd.Process.Kill(); <-p.exited })
 	return p
+}
+
+// stop sends SIGTERM, as systemd does, and waits up to 10 s for the process to exit.
+func (p *agentProcess) stop(t *testing.T) {
+	t.Helper()
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("run did not exit within 10 s of SIGTERM")
+	}
 }
 
 type statusRow map[string]any

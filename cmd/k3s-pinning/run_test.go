@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -61,13 +60,8 @@ func TestRunDaemon(t *testing.T) {
 		t.Errorf("status does not show the agent's view (exit %d):\n%s", code, out)
 	}
 
-	agent.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-agent.exited:
-		if agent.waitErr != nil {
-			t.Errorf("run exited with %v after SIGTERM, want 0\n%s", agent.waitErr, agent.stderr.String())
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("run did not exit within 10 s of SIGTERM")
+	agent.stop(t)
+	if agent.waitErr != nil {
+		t.Errorf("run exited with %v after SIGTERM, want 0\n%s", agent.waitErr, agent.stderr.String())
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"sync"
@@ -129,6 +130,13 @@ type Agent struct {
 	toFetch   map[string]*pendingFetch
 	// retainedSeen are the retained references as the state file last had them (reloadRetained).
 	retainedSeen map[string]map[string]bool
+	// stateLost: the agent started without a state it could read, so the first sync reads back
+	// from containerd's pins what was retained (rebuildRetained). stateUnreadable is why, while
+	// the unreadable file is still where it was; stateSeen is the file as the agent last read or
+	// wrote it (keepAsideUnreadable).
+	stateLost       bool
+	stateUnreadable error
+	stateSeen       os.FileInfo
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -138,12 +146,12 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 		cfg:      cfg,
 		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries},
 		pinner:   pinning.NewPinner(cd.Images),
-		state:    loadState(cfg.StateFile),
 		keeper:   &Keeper{},
 		metrics:  newMetrics(),
 		track:    tracker{missing: map[string]bool{}, lost: map[string]bool{}},
 		resync:   make(chan struct{}, 1),
 	}
+	a.openState()
 	// Before the first reconcile, every archive recorded is taken as present, so that a kubelet
 	// starting beside the agent never sees a gap.
 	a.noteRetained()
@@ -165,17 +173,6 @@ func (a *Agent) Keeper() *Keeper { return a.keeper }
 // Metrics are the agent's Prometheus metrics, for the program to register where it serves them.
 func (a *Agent) Metrics() prometheus.Collector { return a.metrics }
 
-func loadState(path string) *State {
-	if path == "" {
-		return newState()
-	}
-	s, err := LoadState(path)
-	if err != nil {
-		logrus.Warnf("%v", err)
-	}
-	return s
-}
-
 // saveState writes the state if a file is configured. A failure (full or read-only disk) is
 // reported in the agent's view and otherwise ignored: protection goes on from memory.
 func (a *Agent) saveState() {
@@ -183,22 +180,38 @@ func (a *Agent) saveState() {
 		return
 	}
 	a.state.Agent.StateError = ""
-	err := withStateLock(a.cfg.StateFile, func() error {
-		// An unpin by another process since the last save is not written back; read under the
-		// lock, so that one between this read and the write waits for the write, and is applied
-		// at the next.
-		a.reloadRetained()
-		return a.state.write(a.cfg.StateFile)
-	})
+	err := withStateLock(a.cfg.StateFile, a.writeStateLocked)
 	if err != nil {
 		a.state.Agent.StateError = err.Error()
 		logrus.Errorf("%v; protecting from memory", err)
 	}
 }
 
+// writeStateLocked is a save, its caller holding the state lock.
+func (a *Agent) writeStateLocked() error {
+	if err := a.keepAsideUnreadable(); err != nil {
+		return err
+	}
+	// An unpin by another process since the last save is not written back; read under the
+	// lock, so that one between this read and the write waits for the write, and is applied at
+	// the next.
+	a.reloadRetained()
+	if err := a.state.write(a.cfg.StateFile); err != nil {
+		return err
+	}
+	a.stateSeen, _ = os.Stat(a.cfg.StateFile)
+	a.noteRetained()
+	return nil
+}
+
 // newPlan is the keep-decision for the archives present, with the indexes read from them.
 func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *Plan {
-	return newPlan(planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads, retained: a.state.Retained})
+	return newPlan(a.planInput(present, read))
+}
+
+// planInput is what the plan for the archives present, with the indexes read from them, is made of.
+func (a *Agent) planInput(present []string, read map[string]*airgap.Index) planInput {
+	return planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads, retained: a.state.Retained}
 }
 
 // requestSync asks Run for a full sync; requests made while one is pending are one.
@@ -392,6 +405,9 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	if err != nil {
 		report.PolicyErr = err
 	} else {
+		if a.stateLost {
+			a.rebuildRetained(listed)
+		}
 		pinned, err := a.pinner.PinWanted(ctx, listed.images(), a.plan.Source)
 		report.PolicyErr = errors.Join(err, a.releaseUnwanted(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
@@ -682,26 +698,41 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 	if err != nil {
 		return "", err
 	}
-	if err := a.pinner.Unpin(ctx, img.Name); err != nil {
-		return "", err
-	}
 	// A retained archive's image is kept until it is unpinned: every name the archive gave it
 	// goes with the one named, so that nothing pins it again. The file is read again, changed and
 	// written in one turn of its lock: the running agent may have retained more since this process
 	// started, and a save of its own between the read and the write would be lost.
 	var dropped []string
-	if a.cfg.StateFile == "" {
+	unpin := func() error {
+		if err := a.pinner.Unpin(ctx, img.Name); err != nil {
+			return err
+		}
 		dropped = a.dropRetained(img.Name)
-	} else if err := withStateLock(a.cfg.StateFile, func() error {
-		if fresh, err := LoadState(a.cfg.StateFile); err == nil {
+		return nil
+	}
+	if a.cfg.StateFile == "" {
+		err = unpin()
+	} else {
+		err = withStateLock(a.cfg.StateFile, func() error {
+			fresh, err := LoadState(a.cfg.StateFile)
+			if err != nil {
+				// Which names a retained archive gave the image is in the file alone: without
+				// them the running agent would pin the others again, and this process must not
+				// write a file it could not read.
+				if src := a.retainedCandidate(img); src != "" {
+					return fmt.Errorf("unpin %s: pinned for %s, which is not in the images dir, and what it retained cannot be read (%w): run `k3s-pinning sync` (or wait for the running agent's next reconcile), which writes the state again, then unpin again", img.Name, src, err)
+				}
+				return a.pinner.Unpin(ctx, img.Name)
+			}
 			a.state.Retained = fresh.Retained
 			a.noteRetained()
-		}
-		if dropped = a.dropRetained(img.Name); len(dropped) == 0 {
-			return nil
-		}
-		return a.state.write(a.cfg.StateFile)
-	}); err != nil {
+			if err := unpin(); err != nil || len(dropped) == 0 {
+				return err
+			}
+			return fresh.write(a.cfg.StateFile)
+		})
+	}
+	if err != nil {
 		return "", err
 	}
 	for _, name := range dropped {
@@ -715,6 +746,19 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 	}
 	sv := a.survey()
 	return a.newPlan(sv.present, sv.read).Heir(img, pinning.SourceManual), nil
+}
+
+// retainedCandidate is the archive our pin on img names when that archive is not in the images
+// dir: the image may be one it retained.
+func (a *Agent) retainedCandidate(img images.Image) string {
+	src, ours := pinning.OwnPin(img.Labels)
+	if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || src == pinning.SourceWorkload {
+		return ""
+	}
+	if _, err := os.Stat(filepath.Join(a.cfg.ImagesDir, src)); err == nil {
+		return ""
+	}
+	return src
 }
 
 // reloadRetained applies what `k3s-pinning unpin`, run as another process beside this agent,

@@ -3,6 +3,7 @@ package images
 import (
 	"context"
 	"fmt"
+	"maps"
 	"sort"
 	"strings"
 
@@ -33,6 +34,10 @@ type Snapshot struct {
 	Conflicts     []Conflict // references two archives provide with different images
 	// Agent is the view of the running agent, from the state file (zero when none ran).
 	Agent AgentView
+	// StateUnreadable is why the state file cannot be read, while it is where it was; the agent
+	// sets it aside at its next save. StateSetAside are the unreadable state files kept aside.
+	StateUnreadable string
+	StateSetAside   []string
 }
 
 // Misspelling is a label on a reference that looks like a pin but that the CRI ignores.
@@ -46,14 +51,29 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	sv := a.survey()
-	plan := a.newPlan(sv.present, sv.read)
-	snap := &Snapshot{ArchiveErrors: sv.scanErrs, Conflicts: plan.Conflicts(), Agent: a.state.Agent}
-	for _, ar := range sv.archives {
-		snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(sv.errs[ar.Name()])...)
-	}
 	all, err := listRecords(ctx, a.cd.Images)
 	if err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
+	}
+	in := a.planInput(sv.present, sv.read)
+	if a.stateLost { // as the next sync will rebuild it
+		retained := &State{Retained: map[string]*ArchiveState{}}
+		for name, rec := range in.retained {
+			retained.Retained[name] = &ArchiveState{Refs: maps.Clone(rec.Refs)}
+		}
+		retained.retainWithPins(retainedFromPins(all, sv.present, a.state))
+		in.retained = retained.Retained
+	}
+	plan := newPlan(in)
+	snap := &Snapshot{ArchiveErrors: sv.scanErrs, Conflicts: plan.Conflicts(), Agent: a.state.Agent}
+	if a.stateUnreadable != nil {
+		snap.StateUnreadable = a.stateUnreadable.Error()
+	}
+	if a.cfg.StateFile != "" {
+		snap.StateSetAside = SetAsideStateFiles(a.cfg.StateFile)
+	}
+	for _, ar := range sv.archives {
+		snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(sv.errs[ar.Name()])...)
 	}
 	present := map[string]bool{}
 	for img := range all.images() {

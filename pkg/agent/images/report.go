@@ -42,6 +42,11 @@ const (
 	ReasonArchiveLoadFailed  = "ArchiveLoadFailed"  // a file of the images dir failed to load
 	ReasonMisspelledPinLabel = "MisspelledPinLabel" // a label that looks like the pin, which the CRI ignores
 	ReasonPinsAdopted        = "PinsAdopted"        // stock k3s's pins taken over at start
+	// ReasonStateFileUnreadable: the state file could not be read (damaged, truncated, a newer
+	// version's); it is kept aside, nothing was unpinned.
+	ReasonStateFileUnreadable = "StateFileUnreadable"
+	// ReasonStateRebuilt: the state was lost, and what was retained is read back from the pins.
+	ReasonStateRebuilt = "StateRebuilt"
 )
 
 // Protection is the node as the agent last saw it: every wanted reference present and pinned,

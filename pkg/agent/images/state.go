@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -71,13 +72,11 @@ func newState() *State {
 	return &State{Version: stateVersion, Archives: map[string]*ArchiveState{}, Retained: map[string]*ArchiveState{}}
 }
 
-// LoadState reads path. A missing file is an empty state; a corrupt or foreign one is an empty
-// state and an error to log: the next sync re-indexes, and every pin is still in containerd.
+// LoadState reads path. A missing file (the error is fs.ErrNotExist), an unreadable one (damaged,
+// truncated, or written by a newer version) is an empty state and an error: the state is a cache
+// of what containerd holds, which the next sync rebuilds.
 func LoadState(path string) (*State, error) {
 	data, err := os.ReadFile(path)
-	if os.IsNotExist(err) {
-		return newState(), nil
-	}
 	if err != nil {
 		return newState(), fmt.Errorf("state %s: %w", path, err)
 	}
@@ -222,6 +221,39 @@ func encodeArchives(bw *bufio.Writer, m map[string]*ArchiveState) error {
 	}
 	bw.WriteString("  }")
 	return nil
+}
+
+// setAsideSuffix, then the time, names a state file this version could not read, kept beside it.
+const setAsideSuffix = ".unreadable-"
+
+// setAside moves the state file at path aside, under a name no other file has, rather than let a
+// save replace it: what it held is the operator's to look at.
+func setAside(path string) (string, error) {
+	aside := path + setAsideSuffix + time.Now().UTC().Format("20060102T150405.000000000Z")
+	if err := os.Link(path, aside); err != nil {
+		return "", fmt.Errorf("state %s: keeping it aside: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil {
+		return "", fmt.Errorf("state %s: keeping it aside: %w", path, err)
+	}
+	return aside, nil
+}
+
+// SetAsideStateFiles are the state files kept aside beside path because they could not be read,
+// oldest first.
+func SetAsideStateFiles(path string) []string {
+	entries, err := os.ReadDir(filepath.Dir(path))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	prefix := filepath.Base(path) + setAsideSuffix
+	for _, e := range entries { // in name order: the time in the name sorts them
+		if strings.HasPrefix(e.Name(), prefix) {
+			out = append(out, filepath.Join(filepath.Dir(path), e.Name()))
+		}
+	}
+	return out
 }
 
 // lockDir takes the state writers' lock in dir; the kernel releases it if the holder dies.
