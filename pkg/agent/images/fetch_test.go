@@ -229,3 +229,41 @@ func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
 		t.Errorf("kept.tar still retained after unpin: %+v", s.Retained["kept.tar"])
 	}
 }
+
+// TestArchiveRemovedJustBeforeItsImageIsDeleted (--retain-removed-archive-images, issue "Trust"
+// item 9): the archive deleted and, before the agent follows the images dir's change (a second
+// later), its image removed through the CRI. The restore finds no archive; the tag and the digest
+// reference come back by a fetch, pinned for the retained archive, and nothing is reported lost.
+func TestArchiveRemovedJustBeforeItsImageIsDeleted(t *testing.T) {
+	n := newNode(t)
+	p := newPeer(t)
+	img, err := imagetest.Image(64<<10, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tag, byDigest := p.push(t, "team/raced:1.0", img)
+	archive := filepath.Join(n.imagesDir, "raced.tar")
+	if err := imagetest.WriteOCI(archive, map[string]any{tag: img}); err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{}
+	cfg := agentimages.PolicyValues{FetchMissingImages: true, RetainRemovedArchiveImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{StateFile: filepath.Join(t.TempDir(), "state.json"), Reporter: rec})
+	n.runWith(cfg)
+	n.await(10*time.Second, tag+" imported and pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
+	if err := os.Remove(archive); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: tag}}); err != nil {
+		t.Fatal(err)
+	}
+	n.await(30*time.Second, tag+" and "+byDigest+" back, pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
+	n.await(10*time.Second, "an ImageFetched Event naming "+tag, func() bool { _, ok := rec.event(agentimages.ReasonImageFetched, tag); return ok })
+	for _, ref := range []string{tag, byDigest} {
+		if src := n.labels(ref)[pinning.LabelSource]; src != "raced.tar" {
+			t.Errorf("%s: pinned for %q, want the retained raced.tar", ref, src)
+		}
+		if e, ok := rec.event(agentimages.ReasonImageLost, ref); ok {
+			t.Errorf("reported lost although it could be fetched: %s", e.Message)
+		}
+	}
+}

@@ -241,9 +241,16 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		rec := a.state.Archives[name]
 		ar, err := airgap.At(filepath.Join(a.cfg.ImagesDir, name))
 		if rec == nil || err != nil {
-			delete(pending, name) // the archive left: nothing to restore from, but maybe a fetch
+			// The archive left the images dir since the plan was made (removed just before the
+			// image was deleted: the dir's change is followed a second later). Nothing to restore
+			// from; the plan made again says whether the references are still wanted (retained:
+			// fetched) before anything is called lost.
+			delete(pending, name)
+			a.sync(ctx)
 			for _, ref := range slices.Sorted(maps.Keys(p.refs)) {
-				a.trackDeleted(ref, a.fetchFrom(ref))
+				if a.track.missing[ref] { // wanted, and still absent from the sync's list
+					a.trackDeleted(ref, a.fetchFrom(ref))
+				}
 			}
 			a.scheduleFetches(a.toFetch)
 			continue
