@@ -96,6 +96,14 @@ const (
 	// maxListErrors bounds the bad lines reported one by one for one list (each is a `doctor`
 	// finding and a log line).
 	maxListErrors = 20
+	// maxEntryName bounds one tar entry's name (PATH_MAX): image tools write names of a digest
+	// and a few words, and a tar's PAX or GNU header may carry a name of up to a megabyte.
+	maxEntryName = 4096
+	// maxEntries and maxEntryNames bound the entries of one tarball and the bytes of their names,
+	// which the index keeps until it is read whole: an OCI layout of 10,000 images holds some
+	// 30,000 entries of under 100 bytes each.
+	maxEntries    = 200_000
+	maxEntryNames = 16 << 20
 )
 
 // MaxExpansion bounds what a compressed archive may expand to: MaxExpansion times its size on
@@ -347,6 +355,7 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 	tc := &tarContents{present: map[string]bool{}, json: map[string][]byte{}, symlinks: map[string]string{}, hardlinks: map[string]bool{}}
 	tr := tar.NewReader(r)
 	limit, total := ExpandedLimit(a), int64(0)
+	entries, names := 0, 0
 	var head [512]byte
 	for {
 		hdr, err := tr.Next()
@@ -355,6 +364,17 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 		}
 		if err != nil {
 			return nil, fmt.Errorf("reading tar: %w", err)
+		}
+		// Every name is kept until the archive is read whole (present, symlinks): a crafted
+		// archive of many entries, or of long names, is refused before it costs the node's memory.
+		entries, names = entries+1, names+len(hdr.Name)+len(hdr.Linkname)
+		switch {
+		case len(hdr.Name) > maxEntryName || len(hdr.Linkname) > maxEntryName:
+			return nil, fmt.Errorf("entry %d has a name of %d bytes, over the %d an image tool writes: refused", entries, max(len(hdr.Name), len(hdr.Linkname)), maxEntryName)
+		case entries > maxEntries:
+			return nil, fmt.Errorf("more than %d entries: refused (an image archive holds a few per image)", maxEntries)
+		case names > maxEntryNames:
+			return nil, fmt.Errorf("more than %d MiB of entry names: refused", maxEntryNames>>20)
 		}
 		// containerd stores entries by content digest and never writes them by name, so a name
 		// cannot reach outside; but no image tool writes such names, and an archive that does was
