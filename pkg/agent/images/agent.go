@@ -12,6 +12,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"slices"
 	"sync"
@@ -137,6 +138,8 @@ type Agent struct {
 	stateLost       bool
 	stateUnreadable error
 	stateSeen       os.FileInfo
+	// savedWork is what the last save wrote of the agent's waiting work (saveViewChange).
+	savedWork AgentView
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -201,7 +204,36 @@ func (a *Agent) writeStateLocked() error {
 	}
 	a.stateSeen, _ = os.Stat(a.cfg.StateFile)
 	a.noteRetained()
+	a.savedWork = workOf(a.state.Agent)
 	return nil
+}
+
+// saveViewChange saves the state when what status and doctor show of the agent's waiting work
+// changed since the last save: a restore or fetch failing again the same way, at each retry,
+// writes nothing (the whole file, with fsync, for one counter).
+func (a *Agent) saveViewChange() {
+	a.updateView()
+	if !reflect.DeepEqual(workOf(a.state.Agent), a.savedWork) {
+		a.saveState()
+	}
+}
+
+// workOf is the part of view that says what waits and why, empty parts as nil.
+func workOf(view AgentView) AgentView {
+	orNil := func(s []string) []string {
+		if len(s) == 0 {
+			return nil
+		}
+		return slices.Clone(s)
+	}
+	mapOrNil := func(m map[string]string) map[string]string {
+		if len(m) == 0 {
+			return nil
+		}
+		return maps.Clone(m)
+	}
+	return AgentView{RestoresPending: orNil(view.RestoresPending), WaitingForDisk: orNil(view.WaitingForDisk), FetchesPending: orNil(view.FetchesPending),
+		ArchiveErrors: mapOrNil(view.ArchiveErrors), FetchErrors: mapOrNil(view.FetchErrors)}
 }
 
 // newPlan is the keep-decision for the archives present, with the indexes read from them.

@@ -56,11 +56,13 @@ func (a *Agent) fetchFrom(ref string) string {
 	return ""
 }
 
-// scheduleFetches adds every missing reference that can be fetched to pending.
+// scheduleFetches adds every missing reference that can be fetched to pending, and drops those
+// that nothing wants any more (dropFetches).
 func (a *Agent) scheduleFetches(pending map[string]*pendingFetch) {
 	if !a.cfg.Fetch || a.cd.CRI == nil || pending == nil {
 		return
 	}
+	a.dropFetches(pending)
 	for _, ref := range slices.Sorted(maps.Keys(a.track.missing)) {
 		d, ok := a.plan.Fetchable(ref)
 		if !ok {
@@ -76,6 +78,29 @@ func (a *Agent) scheduleFetches(pending map[string]*pendingFetch) {
 			pending[pull] = p
 		}
 		p.refs[ref] = true
+	}
+}
+
+// dropFetches forgets the references of pending that are no longer both missing and fetchable
+// (their workload is gone, the policy changed, they came back another way), with their errors: no
+// pull starts for nothing. A pull in flight for none ends unheeded (fetched).
+func (a *Agent) dropFetches(pending map[string]*pendingFetch) {
+	dropped := false
+	for pull, p := range pending {
+		for ref := range p.refs {
+			if _, ok := a.plan.Fetchable(ref); !ok || !a.track.missing[ref] {
+				delete(p.refs, ref)
+				delete(a.state.Agent.FetchErrors, ref)
+				dropped = true
+				logrus.Infof("fetch of %s dropped: nothing wants it fetched any more", ref)
+			}
+		}
+		if len(p.refs) == 0 && !p.inFlight {
+			delete(pending, pull)
+		}
+	}
+	if dropped {
+		a.saveViewChange()
 	}
 }
 
@@ -180,10 +205,12 @@ func (a *Agent) criImagefsUsage(ctx context.Context) (float64, string, error) {
 }
 
 // fetchFailed records a failed or held-back fetch (noSpace: held back by the disk threshold): an
-// Event naming the image and the reason, and a retry with backoff.
+// Event naming the image and the reason, and a retry with backoff. The state file is written only
+// when what status and doctor show of it changed: a fetch failing again the same way writes
+// nothing.
 func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
 	p.noSpace = noSpace || isNoSpace(err)
-	p.retryAt = time.Now().Add(p.backoff)
+	p.retryAt = time.Now().Add(jittered(p.backoff))
 	a.state.Agent.FetchesFailed++
 	if a.state.Agent.FetchErrors == nil {
 		a.state.Agent.FetchErrors = map[string]string{}
@@ -195,7 +222,7 @@ func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
 	logrus.Errorf("fetch %s (%s) failed, retrying in %s: %v", p.pull, refs, p.backoff, err)
 	a.event(true, ReasonImageFetchFailed, "fetching %s by digest %s failed, retrying in %s: %v", refs, p.digest, p.backoff, err)
 	p.backoff = min(2*p.backoff, retryMax)
-	a.saveState() // status and doctor, in other processes, show what is waiting
+	a.saveViewChange()
 }
 
 // fetched pins what a pull brought back under every wanted name, each created pinned, or records
@@ -206,6 +233,10 @@ func (a *Agent) fetched(ctx context.Context, res fetchResult, pending map[string
 		return
 	}
 	p.inFlight = false
+	if len(p.refs) == 0 { // dropped while in flight: the image is left unpinned, for the kubelet
+		delete(pending, res.pull)
+		return
+	}
 	if res.err != nil {
 		a.fetchFailed(p, res.err, false)
 		return

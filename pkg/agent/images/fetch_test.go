@@ -2,6 +2,7 @@ package images_test
 
 import (
 	"context"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -265,5 +266,53 @@ func TestArchiveRemovedJustBeforeItsImageIsDeleted(t *testing.T) {
 		if e, ok := rec.event(agentimages.ReasonImageLost, ref); ok {
 			t.Errorf("reported lost although it could be fetched: %s", e.Message)
 		}
+	}
+}
+
+// TestFetchEndsWhenNothingWantsIt (issue "Trust", item 4): a workload's image named by digest
+// whose registry fails every pull is retried with backoff, and a failure failing again the same
+// way does not write the state file again; once the workload is gone the fetch is dropped, its
+// error forgotten, and no pull follows.
+func TestFetchEndsWhenNothingWantsIt(t *testing.T) {
+	n := newNode(t)
+	var pulls atomic.Int64
+	reg := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.Contains(r.URL.Path, "/manifests/") {
+			pulls.Add(1)
+		}
+		http.Error(w, "registry down", http.StatusInternalServerError)
+	}))
+	t.Cleanup(reg.Close)
+	ref := strings.TrimPrefix(reg.URL, "http://") + "/team/gone@sha256:" + strings.Repeat("cd", 32)
+	state := filepath.Join(t.TempDir(), "state.json")
+	cfg := agentimages.PolicyValues{FetchMissingImages: true, FetchMaxDiskUsage: 100, PinnedWorkloadImages: true}.AgentConfig(agentimages.Config{StateFile: state})
+	a := n.runWith(cfg)
+	a.SetWorkloadImages([]string{ref})
+	n.await(30*time.Second, "a first failed fetch of "+ref, func() bool { return a.View().FetchesFailed >= 1 })
+	n.await(10*time.Second, "the state file showing the failure", func() bool {
+		s, err := agentimages.LoadState(state)
+		return err == nil && s.Agent.FetchErrors[ref] != ""
+	})
+	written, err := os.Stat(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.await(30*time.Second, "two more failed fetches", func() bool { return a.View().FetchesFailed >= 3 })
+	if now, err := os.Stat(state); err != nil || !os.SameFile(written, now) {
+		t.Errorf("the state file was written again for a fetch failing the same way (%v)", err)
+	}
+
+	a.SetWorkloadImages(nil)
+	n.await(10*time.Second, "the fetch dropped, its error forgotten", func() bool {
+		v := a.View()
+		return len(v.FetchesPending) == 0 && v.FetchErrors[ref] == ""
+	})
+	before := pulls.Load()
+	time.Sleep(7 * time.Second) // longer than the next retry (8 s of backoff at most 4 s away, jitter included)
+	if after := pulls.Load(); after != before {
+		t.Errorf("%d pull(s) of %s after nothing wanted it", after-before, ref)
+	}
+	if s, _ := agentimages.LoadState(state); s.Agent.FetchErrors[ref] != "" {
+		t.Errorf("the state file still shows the dropped fetch's error: %v", s.Agent.FetchErrors)
 	}
 }

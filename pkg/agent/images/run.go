@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -54,6 +55,10 @@ const (
 	retryMin     = time.Second
 	retryMax     = time.Minute
 )
+
+// jittered is d plus up to half of d at random: the nodes of a fleet that failed together (a peer
+// gone, a registry down) do not all try again at the same moment.
+func jittered(d time.Duration) time.Duration { return d + rand.N(d/2+1) }
 
 // pendingRestore is an archive with references to bring back.
 type pendingRestore struct {
@@ -261,12 +266,12 @@ func (a *Agent) restore(ctx context.Context, pending map[string]*pendingRestore)
 		if err := restoreError(rep, p.refs); err != nil {
 			a.metrics.restores.WithLabelValues("failed").Inc()
 			a.state.Agent.RestoresFailed++
-			p.retryAt, p.noSpace = time.Now().Add(p.backoff), isNoSpace(err)
+			p.retryAt, p.noSpace = time.Now().Add(jittered(p.backoff)), isNoSpace(err)
 			logrus.Errorf("restore from %s failed, retrying in %s: %v", name, p.backoff, err)
 			a.event(true, ReasonImageRestoreFailed, "restoring %s from %s failed, retrying in %s: %v", firstFew(slices.Sorted(maps.Keys(p.refs))), name, p.backoff, err)
 			p.backoff = min(2*p.backoff, retryMax)
 			a.updateView()
-			a.saveState() // status and doctor, in other processes, show what is waiting
+			a.saveViewChange()
 			if next == 0 || p.backoff < next {
 				next = p.backoff
 			}
