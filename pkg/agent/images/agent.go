@@ -140,6 +140,8 @@ type Agent struct {
 	stateSeen       os.FileInfo
 	// savedWork is what the last save wrote of the agent's waiting work (saveViewChange).
 	savedWork AgentView
+	// pulls are the list entries Run pulls in the background (nil outside Run).
+	pulls *listPulls
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -301,7 +303,7 @@ func (r *SyncReport) Err() error {
 	for _, a := range r.Archives {
 		errs = append(errs, a.Err)
 		for _, ref := range a.Refs {
-			if ref.Err != nil && !errors.Is(a.Err, ref.Err) {
+			if ref.Err != nil && ref.Err != errPullPending && !errors.Is(a.Err, ref.Err) {
 				errs = append(errs, ref.Err)
 			}
 		}
@@ -394,6 +396,10 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	// Tarballs before lists: a list entry that a tarball provides is then present, not pulled.
 	// Archives are imported side by side, then recorded in order; a reference two of them provide
 	// with the same image is pinned for the first by name, whichever creates it.
+	if a.pulls != nil {
+		a.pulls.beginSync()
+		defer a.pulls.endSync()
+	}
 	for _, lists := range []bool{false, true} {
 		var batch []airgap.Archive
 		for _, ar := range sv.archives {
@@ -576,6 +582,7 @@ func (a *Agent) importArchive(ctx context.Context, snap *storeSnapshot, ar airga
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
 	for _, r := range refs {
 		switch {
+		case r.Err == errPullPending:
 		case r.Err != nil:
 			logrus.Errorf("%s: %v", ar.Name(), r.Err)
 		case r.Result == pinning.Pinned:

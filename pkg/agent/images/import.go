@@ -43,7 +43,14 @@ type importer struct {
 	// under each of these registries, as k3s does.
 	extraRegistries []string
 	leaseLabels     map[string]string // of each import lease: set while the agent owns its state file (ownImportLeases)
+	// pullLater, while Run runs, takes a list entry to pull in the background (listPulls.later);
+	// nil: entries are pulled in place, each within listPullTimeout.
+	pullLater func(ref string) error
 }
+
+// errPullPending is the result of a list entry handed to the background: not an error of the
+// list (it is not reported as one), but not loaded yet either.
+var errPullPending = errors.New("being pulled in the background")
 
 // RefResult is one reference an archive provides, after import or verification.
 type RefResult struct {
@@ -1217,11 +1224,20 @@ func (im *importer) pullList(ctx context.Context, idx *airgap.Index) ([]RefResul
 	)
 	for _, want := range idx.Images {
 		status, err := im.criStatus(ctx, want.Ref)
-		if err == nil && status.GetImage() == nil {
-			if _, err = im.cd.CRI.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
+		if err == nil && status.GetImage() == nil && im.pullLater != nil {
+			if err = im.pullLater(want.Ref); err == nil {
+				refs = append(refs, RefResult{Ref: want.Ref, Err: errPullPending})
+				continue
+			}
+		} else if err == nil && status.GetImage() == nil {
+			pctx, cancel := context.WithTimeout(ctx, listPullTimeout)
+			if _, err = im.cd.CRI.PullImage(pctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
 				pulled = true
 				status, err = im.cd.CRI.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+			} else if pctx.Err() != nil && ctx.Err() == nil {
+				err = fmt.Errorf("no answer within %s: %w", listPullTimeout, err)
 			}
+			cancel()
 		}
 		if err == nil && status.GetImage() == nil {
 			err = errors.New("not present after pull")

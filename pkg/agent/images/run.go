@@ -96,10 +96,17 @@ func (a *Agent) Run(ctx context.Context, opts RunOptions) error {
 // methods.
 func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, resync <-chan struct{}) error {
 	a.mu.Lock()
+	a.pulls = newListPulls(fetchTimeout)
+	a.importer.pullLater = a.pulls.later
 	if !opts.Synced {
 		a.sync(ctx)
 	}
 	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		a.pulls, a.importer.pullLater = nil, nil
+		a.mu.Unlock()
+	}()
 	afterSync := func() {
 		if opts.AfterSync != nil {
 			opts.AfterSync()
@@ -110,6 +117,7 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 	}
 	pending := map[string]*pendingRestore{}
 	fetches := map[string]*pendingFetch{}
+	listPulled := make(chan listPullResult, listPullConcurrency) // never more in flight: sends never block
 	a.mu.Lock()
 	a.toRestore, a.toFetch = pending, fetches
 	a.mu.Unlock()
@@ -128,11 +136,15 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 	restoreTimer := time.NewTimer(time.Hour)
 	restoreTimer.Stop()
 	fetchTimer := time.NewTimer(0)
+	listPullTimer := time.NewTimer(0)
 	for {
 		var ev any
 		var res *fetchResult
 		tick, restoreDue := false, false
 		select {
+		case r := <-listPulled:
+			tick = a.pulls.done(r) // the sync pins what came, or reports the new failure
+		case <-listPullTimer.C:
 		case <-ctx.Done():
 			a.mu.Lock()
 			a.saveState()
@@ -192,6 +204,11 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 		}
 		if next := a.startFetches(ctx, fetches, results, running); next > 0 {
 			fetchTimer.Reset(next)
+		}
+		if a.cd.CRI != nil {
+			if next := a.pulls.start(ctx, a.cd.CRI, listPulled, running); next > 0 {
+				listPullTimer.Reset(next)
+			}
 		}
 		a.updateView()
 		a.reportProtection()
