@@ -140,11 +140,17 @@ func newApp(stdout io.Writer) *cli.App {
 						// The agent and the metrics server end together: a server that cannot
 						// listen stops the agent, which saves its state on the way out.
 						g, ctx := errgroup.WithContext(ctx)
+						interval := o.run.ReconcileInterval
+						if interval <= 0 {
+							interval = images.DefaultReconcileInterval // as Run takes it
+						}
+						stallAfter := stalledIntervals * interval
 						if o.metricsAddress != "" {
 							registry := prometheus.NewRegistry()
 							registry.MustRegister(a.Metrics())
 							g.Go(func() error {
-								if err := serveMetrics(ctx, o.metricsAddress, registry); err != nil {
+								h := health{started: time.Now(), reconciled: a.Reconciled, stallAfter: stallAfter}
+								if err := serveHTTP(ctx, o.metricsAddress, registry, h); err != nil {
 									return fmt.Errorf("metrics on %s: %w", o.metricsAddress, err)
 								}
 								return nil
@@ -164,6 +170,7 @@ func newApp(stdout io.Writer) *cli.App {
 							debug.SetMemoryLimit(runMemoryLimit)
 						}
 						if reporter != nil {
+							reporter.WatchReconciles(a.Reconciled, stallAfter)
 							g.Go(func() error { reporter.Run(ctx); return nil })
 						}
 						if o.policy.PinnedWorkloadImages {

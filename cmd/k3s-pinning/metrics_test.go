@@ -33,7 +33,7 @@ func TestMetricsBarePortIsLoopbackOnly(t *testing.T) {
 	l.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go serveMetrics(ctx, ":"+port, prometheus.NewRegistry())
+	go serveHTTP(ctx, ":"+port, prometheus.NewRegistry(), health{started: time.Now(), reconciled: func() time.Time { return time.Time{} }, stallAfter: time.Minute})
 	client := &http.Client{Timeout: time.Second}
 	deadline := time.Now().Add(5 * time.Second)
 	for {

@@ -16,15 +16,22 @@ import (
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
 
-// TestRunDaemon runs `k3s-pinning run` as systemd would: metrics on loopback, the agent's view in
-// `status` and `doctor` from the state file, and a clean exit 0 on SIGTERM.
-func TestRunDaemon(t *testing.T) {
+// appNode is a real containerd and an images dir of one archive, app.tar (acc.example/app:1.0).
+func appNode(t *testing.T) (*containerdtest.Daemon, string) {
+	t.Helper()
 	d := containerdtest.New(t, containerdtest.Options{})
 	imagesDir := t.TempDir()
 	img, _ := imagetest.Image(32<<10, imagetest.Amd64)
 	if err := imagetest.WriteDocker(filepath.Join(imagesDir, "app.tar"), map[string]v1.Image{"acc.example/app:1.0": img}); err != nil {
 		t.Fatal(err)
 	}
+	return d, imagesDir
+}
+
+// TestRunDaemon runs `k3s-pinning run` as systemd would: metrics on loopback, the agent's view in
+// `status` and `doctor` from the state file, and a clean exit 0 on SIGTERM.
+func TestRunDaemon(t *testing.T) {
+	d, imagesDir := appNode(t)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -64,4 +71,50 @@ func TestRunDaemon(t *testing.T) {
 	if agent.waitErr != nil {
 		t.Errorf("run exited with %v after SIGTERM, want 0\n%s", agent.waitErr, agent.stderr.String())
 	}
+}
+
+// TestProbesSayWhenTheAgentIsStuck: /readyz once the first sync ended; /healthz answers 200 while
+// reconciles end, 503 naming the stall once none has ended for three reconcile intervals
+// (containerd frozen: every call of the agent hangs), and 200 again once containerd goes on.
+func TestProbesSayWhenTheAgentIsStuck(t *testing.T) {
+	d, imagesDir := appNode(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := "http://" + l.Addr().String()
+	l.Close()
+	agent := startRun(t, "--containerd-address", d.Address, "--images-dir", imagesDir, "--state-file", filepath.Join(t.TempDir(), "state.json"),
+		"--metrics-address", strings.TrimPrefix(base, "http://"), "--reconcile-interval", "1s")
+	get := func(path string) (int, string) {
+		c := http.Client{Timeout: 2 * time.Second}
+		resp, err := c.Get(base + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, strings.TrimSpace(string(b))
+	}
+	await := func(what, path string, code int) string {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			got, body := get(path)
+			if got == code {
+				return body
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %s answered %d %q, want %d, for 30 s\n%s", what, path, got, body, code, agent.stderr.String())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	await("after the first sync", "/readyz", http.StatusOK)
+	t.Logf("/healthz: %s", await("while reconciles end", "/healthz", http.StatusOK))
+	thaw := d.Freeze()
+	defer thaw()
+	t.Logf("/healthz: %s", await("containerd frozen", "/healthz", http.StatusServiceUnavailable))
+	thaw()
+	t.Logf("/healthz: %s", await("containerd thawed", "/healthz", http.StatusOK))
 }

@@ -186,6 +186,7 @@ func (d *Daemon) Stop() error {
 	if d.cmd == nil {
 		return nil
 	}
+	d.cmd.Process.Signal(syscall.SIGCONT) // a frozen daemon takes no SIGTERM
 	Terminate(d.cmd.Process, d.exited, 10*time.Second)
 	d.cmd = nil
 	d.logFile.Close()
@@ -202,6 +203,17 @@ func Terminate(p *os.Process, exited <-chan struct{}, grace time.Duration) {
 		syscall.Kill(-p.Pid, syscall.SIGKILL)
 		<-exited
 	}
+}
+
+// Freeze stops containerd where it is (SIGSTOP): its socket accepts, and nothing answers, as a
+// daemon that hangs. thaw (SIGCONT) lets it go on; Stop thaws it first.
+func (d *Daemon) Freeze() (thaw func()) {
+	if d.cmd == nil {
+		return func() {}
+	}
+	p := d.cmd.Process
+	p.Signal(syscall.SIGSTOP)
+	return func() { p.Signal(syscall.SIGCONT) }
 }
 
 // Restart stops and starts the daemon with the same root and state.

@@ -39,6 +39,9 @@ const (
 	ReasonImagesMissing  = "ImagesMissing"
 	ReasonImagesLost     = "ImagesLost"
 	ReasonArchivesFailed = "ArchivesFailedToLoad"
+	// ReasonStalled (status Unknown): no reconcile of the agent has ended for a while; what it
+	// last reported may no longer be the node's.
+	ReasonStalled = "ReconcileStalled"
 )
 
 // Component is the source of the agent's Events.
@@ -110,6 +113,18 @@ type Node struct {
 	mu      sync.Mutex
 	latest  *images.Protection
 	changed chan struct{}
+
+	// reconciled, when set (WatchReconciles), is when the agent's last reconcile ended; the
+	// condition is Unknown once none has ended for stallAfter since started.
+	reconciled func() time.Time
+	started    time.Time
+	stallAfter time.Duration
+}
+
+// WatchReconciles makes the condition say when the agent is stuck: Unknown, ReasonStalled, once no
+// reconcile has ended (reconciled, read at each heartbeat) for stallAfter. Call it before Run.
+func (r *Node) WatchReconciles(reconciled func() time.Time, stallAfter time.Duration) {
+	r.reconciled, r.started, r.stallAfter = reconciled, time.Now(), stallAfter
 }
 
 // NewNode reports on node through client. Run it to have the condition written.
@@ -195,7 +210,11 @@ func (r *Node) Run(ctx context.Context) {
 	defer r.stop()
 	lastErr := ""
 	wait := retryMin
-	timer := time.NewTimer(heartbeat)
+	beat := heartbeat
+	if r.reconciled != nil && r.stallAfter < beat {
+		beat = r.stallAfter // a stall is seen within one beat of it
+	}
+	timer := time.NewTimer(beat)
 	defer timer.Stop()
 	for {
 		select {
@@ -208,7 +227,7 @@ func (r *Node) Run(ctx context.Context) {
 		p := r.latest
 		r.mu.Unlock()
 		if p == nil {
-			timer.Reset(heartbeat)
+			timer.Reset(beat)
 			continue
 		}
 		err := r.writeCondition(ctx, *p)
@@ -218,7 +237,7 @@ func (r *Node) Run(ctx context.Context) {
 				logrus.Infof("k3s-pinning: node %s: condition %s written again", r.node, ConditionType)
 			}
 			lastErr, wait = "", retryMin
-			timer.Reset(heartbeat)
+			timer.Reset(beat)
 		case ctx.Err() != nil:
 			return
 		default:
@@ -247,6 +266,18 @@ func Condition(p images.Protection, now time.Time) corev1.NodeCondition {
 	return c
 }
 
+// Stalled is c, the condition of the agent's last report, once no reconcile has ended since last
+// for more than stallAfter: Unknown, ReasonStalled, the last report kept in the message.
+func Stalled(c corev1.NodeCondition, last, now time.Time, stallAfter time.Duration) corev1.NodeCondition {
+	if stallAfter <= 0 || now.Sub(last) <= stallAfter {
+		return c
+	}
+	c.Status, c.Reason = corev1.ConditionUnknown, ReasonStalled
+	c.Message = fmt.Sprintf("no reconcile of k3s-pinning has ended for %s (since %s): it may be stuck; its last report: %s",
+		now.Sub(last).Round(time.Second), last.UTC().Format(time.RFC3339), c.Message)
+	return c
+}
+
 // writeCondition patches the Node's status with the condition for p. The transition time stays
 // the one the Node shows while the status does not change.
 func (r *Node) writeCondition(ctx context.Context, p images.Protection) error {
@@ -254,7 +285,15 @@ func (r *Node) writeCondition(ctx context.Context, p images.Protection) error {
 	if err != nil {
 		return err
 	}
-	c := Condition(p, time.Now())
+	now := time.Now()
+	c := Condition(p, now)
+	if r.reconciled != nil {
+		last := r.reconciled()
+		if last.Before(r.started) {
+			last = r.started
+		}
+		c = Stalled(c, last, now, r.stallAfter)
+	}
 	if i := slices.IndexFunc(node.Status.Conditions, func(o corev1.NodeCondition) bool { return o.Type == ConditionType }); i >= 0 {
 		if old := node.Status.Conditions[i]; old.Status == c.Status {
 			c.LastTransitionTime = old.LastTransitionTime

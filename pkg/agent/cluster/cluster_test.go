@@ -48,6 +48,26 @@ func TestCondition(t *testing.T) {
 	}
 }
 
+// TestStalledCondition: the condition of the agent's last report stands while reconciles end;
+// once none has ended for longer than the bound it is Unknown, ReconcileStalled, saying since when
+// and keeping the last report.
+func TestStalledCondition(t *testing.T) {
+	now := time.Date(2026, 12, 7, 8, 0, 0, 0, time.UTC)
+	reported := Condition(images.Protection{Wanted: 4}, now)
+	if c := Stalled(reported, now.Add(-14*time.Minute), now, 15*time.Minute); c.Status != corev1.ConditionTrue || c.Reason != ReasonProtected {
+		t.Errorf("14 min after a reconcile, bound 15: %s %s, want the report's", c.Status, c.Reason)
+	}
+	c := Stalled(reported, now.Add(-16*time.Minute), now, 15*time.Minute)
+	if c.Status != corev1.ConditionUnknown || c.Reason != ReasonStalled {
+		t.Errorf("16 min after a reconcile, bound 15: %s %s, want Unknown %s", c.Status, c.Reason, ReasonStalled)
+	}
+	for _, want := range []string{"16m0s", "2026-12-07T07:44:00Z", "may be stuck", reported.Message} {
+		if !strings.Contains(c.Message, want) {
+			t.Errorf("message %q does not say %q", c.Message, want)
+		}
+	}
+}
+
 // An Event the API server could not take now (k3s's agent load balancer answers 503 "apiserver
 // not ready" while the server restarts) goes back to the recorder as an error it retries; one the
 // server refused for what it is stays a rejection, which the recorder drops.

@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
@@ -142,6 +143,9 @@ type Agent struct {
 	savedWork AgentView
 	// pulls are the list entries Run pulls in the background (nil outside Run).
 	pulls *listPulls
+	// reconciled is when this process's last full sync ended (unix nanoseconds; 0: none yet),
+	// read without the lock: a stuck agent holds it.
+	reconciled atomic.Int64
 }
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
@@ -479,7 +483,17 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	a.saveState()
 	a.reportProtection()
 	forgetDigestRefs()
+	a.reconciled.Store(time.Now().UnixNano())
 	return report
+}
+
+// Reconciled is when this agent's last full sync (a reconcile) ended; zero before the first. It
+// never waits for the agent: what probes of its liveness ask.
+func (a *Agent) Reconciled() time.Time {
+	if n := a.reconciled.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
 }
 
 // releaseUnwanted removes every pin of ours, set for an archive or a workload, that the plan no
