@@ -19,7 +19,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
@@ -297,7 +296,7 @@ func withAgent(c *cli.Context, o *options, fn func(context.Context, *images.Agen
 	if _, err := os.Stat(o.address); err != nil {
 		return cli.Exit(fmt.Sprintf("containerd socket: %v (set --containerd-address)", err), exitUsage)
 	}
-	client, err := containerd.New(o.address, containerd.WithTimeout(10*time.Second))
+	client, err := images.Connect(o.address)
 	if err != nil {
 		return cli.Exit(fmt.Sprintf("containerd at %s: %v", o.address, err), exitUsage)
 	}

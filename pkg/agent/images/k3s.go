@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"time"
 
-	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/sirupsen/logrus"
 
@@ -60,7 +59,7 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 	if cfg.StateFile == "" {
 		cfg.StateFile = filepath.Join(filepath.Dir(cfg.ImagesDir), "k3s-pinning", "state.json")
 	}
-	client, err := containerd.New(cfg.Address, containerd.WithTimeout(10*time.Second))
+	client, err := Connect(cfg.Address)
 	if err != nil {
 		return nil, nil, fmt.Errorf("k3s-pinning: containerd at %s: %w", cfg.Address, err)
 	}
