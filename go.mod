@@ -16,7 +16,7 @@ require (
 	github.com/opencontainers/go-digest v1.0.0
 	github.com/opencontainers/image-spec v1.1.1
 	github.com/pierrec/lz4 v2.6.0+incompatible
-	github.com/pierrec/lz4/v4 v4.1.33
+	github.com/pierrec/lz4/v4 v4.1.15
 	github.com/prometheus/client_golang v1.22.0
 	github.com/rancher/wharfie v0.6.9
 	github.com/sirupsen/logrus v1.9.3
