@@ -175,6 +175,7 @@ func newApp(stdout io.Writer) *cli.App {
 						if o.policy.PinnedWorkloadImages {
 							g.Go(func() error { reporter.WatchWorkloads(ctx, a.SetWorkloadImages); return nil })
 						}
+						g.Go(func() error { return watchSocketReplaced(ctx, o.address, socketCheckInterval) })
 						g.Go(func() error { return a.Run(ctx, o.run) })
 						return g.Wait()
 					})

@@ -1,17 +1,21 @@
 package main_test
 
 import (
+	"context"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
@@ -117,4 +121,43 @@ func TestProbesSayWhenTheAgentIsStuck(t *testing.T) {
 	t.Logf("/healthz: %s", await("containerd frozen", "/healthz", http.StatusServiceUnavailable))
 	thaw()
 	t.Logf("/healthz: %s", await("containerd thawed", "/healthz", http.StatusOK))
+}
+
+// TestRunExitsWhenItsSocketMountGoesStale: `run` reaching containerd through its socket
+// bind-mounted alone, as the DaemonSet mounts it; containerd restarts and makes a new socket, which
+// that mount cannot show: run exits non-zero naming the socket, for the kubelet to start a
+// container with a fresh mount, instead of retrying for ever.
+func TestRunExitsWhenItsSocketMountGoesStale(t *testing.T) {
+	d, imagesDir := appNode(t)
+	mounted := filepath.Join(t.TempDir(), "containerd.sock")
+	if err := os.WriteFile(mounted, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mount(d.Address, mounted, "", syscall.MS_BIND, ""); err != nil {
+		t.Fatalf("bind-mount %s on %s: %v", d.Address, mounted, err)
+	}
+	t.Cleanup(func() { syscall.Unmount(mounted, syscall.MNT_DETACH) })
+	state := filepath.Join(t.TempDir(), "state.json")
+	agent := startRun(t, "--containerd-address", mounted, "--images-dir", imagesDir, "--state-file", state)
+	deadline := time.Now().Add(20 * time.Second)
+	for s, _ := images.LoadState(state); s.Archives["app.tar"] == nil; s, _ = images.LoadState(state) {
+		if time.Now().After(deadline) {
+			t.Fatalf("app.tar not loaded through the mounted socket within 20 s\n%s", agent.stderr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := d.Restart(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-agent.exited:
+		if agent.waitErr == nil {
+			t.Errorf("run exited 0 after its socket was replaced")
+		}
+		if !strings.Contains(agent.stderr.String(), "socket "+mounted+" was replaced") {
+			t.Errorf("run's error does not name the replaced socket:\n%s", agent.stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("run did not exit within 30 s of its socket being replaced")
+	}
 }

@@ -91,7 +91,7 @@ func (n *node) deployAgentPod() {
 	spec.ServiceAccountName, spec.AutomountServiceAccountToken = "", nil
 	port := freePort(n.t)
 	n.agentMetrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
-	hostPaths := map[string]string{"containerd": n.daemon.Dir, "images": n.imagesDir, "state": stateDir}
+	hostPaths := map[string]string{"containerd": n.daemon.Address, "images": n.imagesDir, "state": stateDir}
 	for i, v := range spec.Volumes {
 		path, ok := hostPaths[v.Name]
 		if !ok || v.HostPath == nil {
