@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -26,6 +27,20 @@ var stateLosses = []struct {
 			t.Fatal(err)
 		}
 	}, false},
+}
+
+// withStateLock calls f holding the lock the agent's saves of state take turns on.
+func withStateLock(t *testing.T, state string, f func()) {
+	t.Helper()
+	lock, err := os.OpenFile(filepath.Join(filepath.Dir(state), ".state.lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	if err := filelock.Lock(lock); err != nil {
+		t.Fatal(err)
+	}
+	f()
 }
 
 func writeFile(t *testing.T, path, content string) {
@@ -193,8 +208,13 @@ func TestStateFileLostWhileRunning(t *testing.T) {
 				s, err := agentimages.LoadState(state)
 				return err == nil && s.Agent.LastReconcile.After(started)
 			})
-			loss.damage(t, state)
-			damaged, _ := os.ReadFile(state)
+			// In a turn of the writers' lock: a save of the agent under way would otherwise rename its
+			// own file over the damage (seen beside a k3s build).
+			var damaged []byte
+			withStateLock(t, state, func() {
+				loss.damage(t, state)
+				damaged, _ = os.ReadFile(state)
+			})
 			if err := a.Sync(n.ctx).Err(); err != nil {
 				t.Fatal(err)
 			}
