@@ -1045,8 +1045,9 @@ func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterRep
 
 // ownNodeOnly checks the DaemonSet's ValidatingAdmissionPolicy from outside, with the service
 // account's tokens: one bound to the DaemonSet's pod on agent-2 writes agent-2's condition, and
-// is refused agent-1's condition, agent-2's labels (a status write can change them) and an Event
-// about agent-1; a token bound to no pod writes nothing.
+// is refused agent-1's condition, every other part of agent-2 a status write can change (labels,
+// owner references, finalizers, daemon endpoints, images), an Event about agent-1, and agent-1's
+// Event re-pointed to agent-2; a token bound to no pod writes nothing.
 func (c *cluster) ownNodeOnly(r *clusterReport) {
 	c.t.Helper()
 	agent1, agent2 := c.agents()[0], c.agents()[1]
@@ -1081,6 +1082,14 @@ message: written by ownNodeOnly
 type: Normal
 source: {component: k3s-pinning}
 `, agent1.name, agent1.name))
+	status := func(patch string) []string {
+		return []string{"patch", "node", agent2.name, "--subresource", "status", "--type", "merge", "-p", patch}
+	}
+	// An Event about agent-1 (its kubelet's, or its agent's), for agent-2's token to re-point.
+	agent1Event := strings.TrimSpace(c.mustKubectl("get", "events", "-n", "default", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+agent1.name, "-o", "jsonpath={.items[0].metadata.name}"))
+	if agent1Event == "" {
+		c.t.Fatalf("no Event about %s in the default namespace", agent1.name)
+	}
 	for _, tc := range []struct {
 		what    string
 		token   string
@@ -1089,8 +1098,14 @@ source: {component: k3s-pinning}
 	}{
 		{"its own node's condition", bound, condition(agent2.name), true},
 		{"another node's condition", bound, condition(agent1.name), false},
-		{"its own node's labels, through the status", bound, []string{"patch", "node", agent2.name, "--subresource", "status", "--type", "merge", "-p", `{"metadata":{"labels":{"k3s-pinning.e2e/owned":"yes"}}}`}, false},
+		{"its own node's labels, through the status", bound, status(`{"metadata":{"labels":{"k3s-pinning.e2e/owned":"yes"}}}`), false},
+		{"its own node's owner references, through the status", bound, status(fmt.Sprintf(`{"metadata":{"ownerReferences":[{"apiVersion":"v1","kind":"Node","name":%q,"uid":"k3s-pinning-e2e"}]}}`, agent1.name)), false},
+		{"its own node's finalizers, through the status", bound, status(`{"metadata":{"finalizers":["k3s-pinning.e2e/held"]}}`), false},
+		{"its own node's daemon endpoints", bound, status(`{"status":{"daemonEndpoints":{"kubeletEndpoint":{"Port":1}}}}`), false},
+		{"its own node's images", bound, status(`{"status":{"images":[{"names":["k3s-pinning.e2e/fake:1"],"sizeBytes":1}]}}`), false},
 		{"an Event about another node", bound, []string{"create", "-f", event}, false},
+		{"another node's Event, re-pointed to its own", bound, []string{"patch", "event", agent1Event, "-n", "default", "--type", "merge", "-p",
+			fmt.Sprintf(`{"involvedObject":{"name":%q,"uid":%q}}`, agent2.name, agent2.name)}, false},
 		{"its own node's condition, with a token bound to no pod", unbound, condition(agent2.name), false},
 	} {
 		out, err := as(tc.token, tc.args...)
