@@ -1067,6 +1067,16 @@ current-context: c
 		out, err := cmd.CombinedOutput()
 		return string(out), err
 	}
+	// patch sends one PATCH as the account's Event recorder does, with no GET first (kubectl
+	// patch reads the object, which the account may not).
+	patch := func(token, path, body string) (string, error) {
+		cmd := exec.Command("ip", "netns", "exec", c.server().ns, "curl", "-sS", "--fail-with-body",
+			"--cacert", filepath.Join(c.server().data, "server", "tls", "server-ca.crt"), "-H", "Authorization: Bearer "+token,
+			"-H", "Content-Type: application/merge-patch+json", "-X", "PATCH", "--data", body,
+			fmt.Sprintf("https://%s.10:6443%s", clusterLAN, path))
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
 	condition := func(node string) []string {
 		return []string{"patch", "node", node, "--subresource", "status", "--type", "strategic", "-p",
 			fmt.Sprintf(`{"status":{"conditions":[{"type":"AirgapImagesProtected","status":"True","reason":"AllImagesPresentAndPinned","message":"written by ownNodeOnly","lastHeartbeatTime":%q,"lastTransitionTime":%q}]}}`,
@@ -1093,7 +1103,7 @@ source: {component: k3s-pinning}
 	for _, tc := range []struct {
 		what    string
 		token   string
-		args    []string
+		args    []string // kubectl's, or PATCH, the API path and the body
 		allowed bool
 	}{
 		{"its own node's condition", bound, condition(agent2.name), true},
@@ -1104,11 +1114,17 @@ source: {component: k3s-pinning}
 		{"its own node's daemon endpoints", bound, status(`{"status":{"daemonEndpoints":{"kubeletEndpoint":{"Port":1}}}}`), false},
 		{"its own node's images", bound, status(`{"status":{"images":[{"names":["k3s-pinning.e2e/fake:1"],"sizeBytes":1}]}}`), false},
 		{"an Event about another node", bound, []string{"create", "-f", event}, false},
-		{"another node's Event, re-pointed to its own", bound, []string{"patch", "event", agent1Event, "-n", "default", "--type", "merge", "-p",
+		{"another node's Event, re-pointed to its own", bound, []string{"PATCH", "/api/v1/namespaces/default/events/" + agent1Event,
 			fmt.Sprintf(`{"involvedObject":{"name":%q,"uid":%q}}`, agent2.name, agent2.name)}, false},
 		{"its own node's condition, with a token bound to no pod", unbound, condition(agent2.name), false},
 	} {
-		out, err := as(tc.token, tc.args...)
+		var out string
+		var err error
+		if tc.args[0] == "PATCH" {
+			out, err = patch(tc.token, tc.args[1], tc.args[2])
+		} else {
+			out, err = as(tc.token, tc.args...)
+		}
 		got := "allowed"
 		if err != nil {
 			got = "denied"
