@@ -671,8 +671,11 @@ func (a *Agent) record(ar airgap.Archive, idx *airgap.Index, contentDigest diges
 		}
 	}
 	for _, img := range idx.Images {
-		if d, ok := rec.Refs[img.Ref]; ok && img.Digest == "" {
-			img.Digest = d // docker archives: the manifest digest is known once imported
+		// A docker archive's manifest digest is known once imported, and what the import made last
+		// is it: a recorded index (an unchanged archive) may hold the digest of a load whose update
+		// failed, which would keep providing that old digest reference for ever.
+		if d, ok := rec.Refs[img.Ref]; ok && (img.Digest == "" || idx.Format == airgap.DockerArchive) {
+			img.Digest = d
 		}
 		rec.Images = append(rec.Images, img)
 	}
