@@ -139,13 +139,7 @@ func TestRunExitsWhenItsSocketMountGoesStale(t *testing.T) {
 	t.Cleanup(func() { syscall.Unmount(mounted, syscall.MNT_DETACH) })
 	state := filepath.Join(t.TempDir(), "state.json")
 	agent := startRun(t, "--containerd-address", mounted, "--images-dir", imagesDir, "--state-file", state)
-	deadline := time.Now().Add(20 * time.Second)
-	for s, _ := images.LoadState(state); s.Archives["app.tar"] == nil; s, _ = images.LoadState(state) {
-		if time.Now().After(deadline) {
-			t.Fatalf("app.tar not loaded through the mounted socket within 20 s\n%s", agent.stderr.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	agent.awaitState(t, state, "app.tar loaded through the mounted socket", func(s *images.State) bool { return s.Archives["app.tar"] != nil })
 	if err := d.Restart(context.Background()); err != nil {
 		t.Fatal(err)
 	}

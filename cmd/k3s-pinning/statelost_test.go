@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
@@ -33,17 +32,9 @@ func TestCorruptStateFileKeepsRetainedImages(t *testing.T) {
 	// awaitRetained waits for the state file to retain apps.tar's tag, pinned as status shows it.
 	awaitRetained := func(p *agentProcess, what string) {
 		t.Helper()
-		deadline := time.Now().Add(20 * time.Second)
-		for {
-			s, err := images.LoadState(state)
-			if err == nil && s.Retained["apps.tar"] != nil && s.Retained["apps.tar"].Refs["acc.example/app:1.0"] != "" {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: apps.tar not retained in the state file within 20 s (%v)\n%s", what, err, p.stderr.String())
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		p.awaitState(t, state, what+": apps.tar retained in the state file", func(s *images.State) bool {
+			return s.Retained["apps.tar"] != nil && s.Retained["apps.tar"].Refs["acc.example/app:1.0"] != ""
+		})
 		out, _, code := run(t, append([]string{"status", "-o", "json"}, common...)...)
 		var doc struct {
 			Images []images.RefStatus `json:"images"`
@@ -66,13 +57,7 @@ func TestCorruptStateFileKeepsRetainedImages(t *testing.T) {
 	}
 
 	first := startRun(t, runArgs...)
-	deadline := time.Now().Add(20 * time.Second)
-	for s, _ := images.LoadState(state); s.Archives["apps.tar"] == nil; s, _ = images.LoadState(state) {
-		if time.Now().After(deadline) {
-			t.Fatalf("apps.tar not loaded within 20 s\n%s", first.stderr.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	first.awaitState(t, state, "apps.tar loaded", func(s *images.State) bool { return s.Archives["apps.tar"] != nil })
 	if err := os.Remove(apps); err != nil {
 		t.Fatal(err)
 	}

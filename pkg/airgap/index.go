@@ -100,8 +100,8 @@ const (
 	// and a few words, and a tar's PAX or GNU header may carry a name of up to a megabyte.
 	maxEntryName = 4096
 	// maxEntries and maxEntryNames bound the entries of one tarball and the bytes of their names,
-	// which the index keeps until it is read whole: an OCI layout of 10,000 images holds some
-	// 30,000 entries of under 100 bytes each.
+	// which the index keeps until it is read whole: an image archive holds a few entries per
+	// image, each named by a digest, so these leave room for tens of thousands of images.
 	maxEntries    = 200_000
 	maxEntryNames = 16 << 20
 )

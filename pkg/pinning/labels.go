@@ -38,6 +38,12 @@ const (
 	DefaultNamespace = "k8s.io"
 )
 
+// IsArchiveSource reports whether source, what our pin records, names an archive of the images
+// dir rather than the policy, a hand pin or a workload.
+func IsArchiveSource(source string) bool {
+	return source != SourcePolicy && source != SourceManual && source != SourceWorkload
+}
+
 // IsPinned reports whether labels carry the exact pin the CRI plugin honours.
 func IsPinned(labels map[string]string) bool { return labels[LabelPinned] == PinnedValue }
 

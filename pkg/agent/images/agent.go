@@ -808,7 +808,7 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 // dir: the image may be one it retained.
 func (a *Agent) retainedCandidate(img images.Image) string {
 	src, ours := pinning.OwnPin(img.Labels)
-	if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || src == pinning.SourceWorkload {
+	if !ours || !pinning.IsArchiveSource(src) {
 		return ""
 	}
 	if _, err := os.Stat(filepath.Join(a.cfg.ImagesDir, src)); err == nil {

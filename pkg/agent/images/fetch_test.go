@@ -152,28 +152,44 @@ func TestFetchWaitsBelowTheDiskThreshold(t *testing.T) {
 	}
 }
 
+// retainingFetcher is an image pushed to a peer as name (repo:tag) and in file, an OCI archive of
+// the images dir, imported and pinned by a running agent that fetches and retains removed
+// archives.
+type retainingFetcher struct {
+	n                  *node
+	a                  *agentimages.Agent
+	rec                *recorder
+	img                v1.Image
+	tag, byDigest      string
+	archive, stateFile string
+}
+
+func newRetainingFetcher(t *testing.T, name, file string) *retainingFetcher {
+	t.Helper()
+	f := &retainingFetcher{n: newNode(t), rec: &recorder{}, stateFile: filepath.Join(t.TempDir(), "state.json")}
+	var err error
+	if f.img, err = imagetest.Image(64<<10, imagetest.Amd64); err != nil {
+		t.Fatal(err)
+	}
+	f.tag, f.byDigest = newPeer(t).push(t, name, f.img)
+	// An OCI archive keeps the image's digest (what the peer serves); a docker archive's is known
+	// once imported, and a peer that imported the same archive serves that one.
+	f.archive = filepath.Join(f.n.imagesDir, file)
+	if err := imagetest.WriteOCI(f.archive, map[string]any{f.tag: f.img}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := agentimages.PolicyValues{FetchMissingImages: true, RetainRemovedArchiveImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{StateFile: f.stateFile, Reporter: f.rec})
+	f.a = f.n.runWith(cfg)
+	f.n.await(10*time.Second, f.tag+" imported and pinned", func() bool { return f.n.pinnedLabel(f.tag) && f.n.pinnedLabel(f.byDigest) })
+	return f
+}
+
 // TestRetainedArchiveStaysPinnedAndIsFetched (--retain-removed-archive-images): an archive
 // removed from the images dir leaves its images pinned, shown as retained; one deleted is fetched
 // by its recorded digest and its tag made again, pinned; `unpin` lets it go for good.
 func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
-	n := newNode(t)
-	p := newPeer(t)
-	img, err := imagetest.Image(64<<10, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tag, byDigest := p.push(t, "team/kept:1.0", img)
-	// An OCI archive keeps the image's digest (what the peer serves); a docker archive's is known
-	// once imported, and a peer that imported the same archive serves that one.
-	archive := filepath.Join(n.imagesDir, "kept.tar")
-	if err := imagetest.WriteOCI(archive, map[string]any{tag: img}); err != nil {
-		t.Fatal(err)
-	}
-	state := filepath.Join(t.TempDir(), "state.json")
-	rec := &recorder{}
-	cfg := agentimages.PolicyValues{FetchMissingImages: true, RetainRemovedArchiveImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{StateFile: state, Reporter: rec})
-	a := n.runWith(cfg)
-	n.await(10*time.Second, tag+" imported and pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
+	f := newRetainingFetcher(t, "team/kept:1.0", "kept.tar")
+	n, a, rec, img, tag, byDigest, archive, state := f.n, f.a, f.rec, f.img, f.tag, f.byDigest, f.archive, f.stateFile
 	if err := os.Remove(archive); err != nil {
 		t.Fatal(err)
 	}
@@ -236,22 +252,9 @@ func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
 // later), its image removed through the CRI. The restore finds no archive; the tag and the digest
 // reference come back by a fetch, pinned for the retained archive, and nothing is reported lost.
 func TestArchiveRemovedJustBeforeItsImageIsDeleted(t *testing.T) {
-	n := newNode(t)
-	p := newPeer(t)
-	img, err := imagetest.Image(64<<10, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tag, byDigest := p.push(t, "team/raced:1.0", img)
-	archive := filepath.Join(n.imagesDir, "raced.tar")
-	if err := imagetest.WriteOCI(archive, map[string]any{tag: img}); err != nil {
-		t.Fatal(err)
-	}
-	rec := &recorder{}
-	cfg := agentimages.PolicyValues{FetchMissingImages: true, RetainRemovedArchiveImages: true, FetchMaxDiskUsage: 100}.AgentConfig(agentimages.Config{StateFile: filepath.Join(t.TempDir(), "state.json"), Reporter: rec})
-	n.runWith(cfg)
-	n.await(10*time.Second, tag+" imported and pinned", func() bool { return n.pinnedLabel(tag) && n.pinnedLabel(byDigest) })
-	if err := os.Remove(archive); err != nil {
+	f := newRetainingFetcher(t, "team/raced:1.0", "raced.tar")
+	n, rec, tag, byDigest := f.n, f.rec, f.tag, f.byDigest
+	if err := os.Remove(f.archive); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := n.cri.RemoveImage(n.ctx, &runtimeapi.RemoveImageRequest{Image: &runtimeapi.ImageSpec{Image: tag}}); err != nil {

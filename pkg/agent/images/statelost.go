@@ -82,10 +82,13 @@ func (a *Agent) keepAsideUnreadable() error {
 // release was lost, looks the same. The agent cannot tell them apart, so it keeps both.
 func retainedFromPins(listed imageRecords, present []string, known *State) map[string]*ArchiveState {
 	out := map[string]*ArchiveState{}
+	inDir := make(map[string]bool, len(present))
+	for _, name := range present {
+		inDir[name] = true
+	}
 	for img := range listed.images() {
 		src, ours := pinning.OwnPin(img.Labels)
-		if !ours || isImageIDRecord(img.Name) || src == pinning.SourcePolicy || src == pinning.SourceManual || src == pinning.SourceWorkload ||
-			slices.Contains(present, src) || known.Archives[src] != nil {
+		if !ours || isImageIDRecord(img.Name) || !pinning.IsArchiveSource(src) || inDir[src] || known.Archives[src] != nil {
 			continue
 		}
 		if rec := known.Retained[src]; rec != nil && rec.Refs[img.Name] != "" {
