@@ -27,7 +27,13 @@ func TestClusterUsageErrors(t *testing.T) {
 		{[]string{"status", "--cluster", "-o", "json", "--kubeconfig", missing}, "", []string{"kubeconfig " + missing}},
 		// $KUBECONFIG is read when the flag is not given
 		{[]string{"status", "--cluster"}, missing, []string{missing}},
-		{[]string{"run", "--pinned-workload-images", "--containerd-address", missing}, "", []string{"--pinned-workload-images", "--kubeconfig"}},
+		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--containerd-address", missing}, "", []string{"--pinned-workload-images", "--kubeconfig"}},
+		// whose workloads count is the operator's to say: never every namespace by default
+		{[]string{"run", "--pinned-workload-images", "--containerd-address", missing}, "", []string{"--pinned-workload-images", "--pinned-workload-namespaces"}},
+		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "*", "--containerd-address", missing}, "", []string{"--pinned-workload-namespaces", `"*"`}},
+		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--pinned-workload-selector", "a in (", "--containerd-address", missing}, "", []string{"--pinned-workload-selector", `"a in ("`}},
+		{[]string{"run", "--pinned-workload-namespaces", "tenant", "--containerd-address", missing}, "", []string{"--pinned-workload-namespaces", "--pinned-workload-images"}},
+		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--max-workload-images", "-1", "--containerd-address", missing}, "", []string{"--max-workload-images -1"}},
 		{[]string{"run", "--kubeconfig", missing, "--containerd-address", missing}, "", []string{"run:", missing}},
 		{[]string{"run", "--kubeconfig", missing, "--in-cluster", "--node-name", "n1", "--containerd-address", missing}, "", []string{"--kubeconfig", "--in-cluster"}},
 		// a pod's host name is not its node's: the node is named, or nothing runs

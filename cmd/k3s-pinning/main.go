@@ -123,6 +123,9 @@ func newApp(stdout io.Writer) *cli.App {
 					&cli.StringFlag{Name: "node-name", EnvVars: []string{"NODE_NAME"}, Usage: "the Node to report on (default: the host name in lower case, as k3s)", Destination: &o.nodeName},
 				),
 				Action: func(c *cli.Context) error {
+					if err := cluster.CheckWorkloadScope(o.policy.WorkloadScope()); err != nil {
+						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
+					}
 					reporter, err := reporterFor(o)
 					if err != nil {
 						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
@@ -173,7 +176,7 @@ func newApp(stdout io.Writer) *cli.App {
 							g.Go(func() error { reporter.Run(ctx); return nil })
 						}
 						if o.policy.PinnedWorkloadImages {
-							g.Go(func() error { reporter.WatchWorkloads(ctx, a.SetWorkloadImages); return nil })
+							g.Go(func() error { reporter.WatchWorkloads(ctx, o.policy.WorkloadScope(), a.SetWorkloadImages); return nil })
 						}
 						g.Go(func() error { return watchSocketReplaced(ctx, o.address, socketCheckInterval) })
 						g.Go(func() error { return a.Run(ctx, o.run) })

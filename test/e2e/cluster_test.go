@@ -57,6 +57,9 @@ const (
 	clusterRoleLabel  = "k3s-pinning.e2e/role"
 	clusterWorkload   = "registry.example/hand/cluster-workload:1.0"
 	clusterParkedName = "parked"
+	// clusterOutsideName is a Deployment in clusterOutsideNamespace, outside the workload scope.
+	clusterOutsideName      = "outside"
+	clusterOutsideNamespace = "k3s-pinning-e2e-outside"
 	// clusterBigRef is the large archive's image, added to agent-2's images dir for killMidImport.
 	clusterBigRef  = "airgap.example/cluster/big:1.0"
 	clusterBigSize = 128 << 20
@@ -202,7 +205,7 @@ type clusterMode struct {
 	name string
 	// daemonSet: stock k3s (--disable-image-pinning) on every node, and k3s-pinning as an operator
 	// deploys it there: the image archive in each node's agent/images, deploy/k3s-pinning.yaml
-	// (with --pinned-workload-images) in the server's server/manifests.
+	// (with --pinned-workload-images in "default") in the server's server/manifests.
 	daemonSet bool
 }
 
@@ -307,16 +310,16 @@ func newCluster(t *testing.T, mode clusterMode, bin, tools string) *cluster {
 func (c *cluster) agentFlags() {
 	agent1, agent2 := c.agents()[0], c.agents()[1]
 	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml"),
-		fmt.Sprintf("pinned-workload-images: true\npinned-images: [%q]\nfetch-missing-images: true\nretain-removed-archive-images: true\n", c.shared))
+		fmt.Sprintf("pinned-workload-images: true\npinned-workload-namespaces: [default]\npinned-images: [%q]\nfetch-missing-images: true\nretain-removed-archive-images: true\n", c.shared))
 	agent1.writeFile(filepath.Join(agent1.dir, "root", "rancher", "k3s", "config.yaml.d", "50-pinning.yaml"), "pinned-image-labels: [example.com/keep]\n")
-	agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\n")
+	agent2.writeFile(filepath.Join(agent2.dir, "root", "rancher", "k3s", "config.yaml"), "pinned-workload-images: true\npinned-workload-namespaces: [default]\n")
 	agent2.env = []string{"K3S_PINNED_IMAGES=registry.example/hand/none:*," + c.shared, "K3S_FETCH_MISSING_IMAGES=true"}
 }
 
 // writeManifests puts what the server deploys at its start into its server/manifests, as an
 // operator does: the workloads' read access (deploy/k3s-pinning-workloads.yaml), and in daemonSet
 // mode the DaemonSet, made as make release makes it (its image for __IMAGE__), with
-// --pinned-workload-images added to its args.
+// --pinned-workload-images (namespace "default") added to its args.
 func (c *cluster) writeManifests() {
 	c.t.Helper()
 	dir := filepath.Join(c.server().data, "server", "manifests")
@@ -336,7 +339,7 @@ func (c *cluster) writeManifests() {
 	if !strings.Contains(ds, arg) {
 		c.t.Fatalf("deploy/k3s-pinning.yaml: no %q in the DaemonSet's args", strings.TrimSpace(arg))
 	}
-	ds = strings.Replace(ds, arg, arg+"            - --pinned-workload-images\n", 1)
+	ds = strings.Replace(ds, arg, arg+"            - --pinned-workload-images\n            - --pinned-workload-namespaces=default\n", 1)
 	c.server().writeFile(filepath.Join(dir, "k3s-pinning.yaml"), ds)
 }
 
@@ -399,7 +402,7 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 		}
 		n.writeFile(filepath.Join(n.imagesDir, "k3s-pinning-image.tar"), string(image))
 	case server:
-		n.args = append(n.args, "--pinned-workload-images", "--pinned-images", c.shared, "--fetch-missing-images")
+		n.args = append(n.args, "--pinned-workload-images", "--pinned-workload-namespaces", "default", "--pinned-images", c.shared, "--fetch-missing-images")
 	}
 	return n
 }
@@ -738,12 +741,15 @@ spec:
 
 // parkWorkload runs a Deployment scaled to 0 whose image was imported by hand on the first agent
 // only; with --pinned-workload-images (and deploy/k3s-pinning-workloads.yaml, in the server's
-// manifests) that agent keeps it pinned.
+// manifests) that agent keeps it pinned. Another Deployment scaled to 0, in a namespace outside
+// --pinned-workload-namespaces, names the hand import nobody wants: it is applied first, and
+// must not make any node keep it.
 func (c *cluster) parkWorkload() {
 	c.t.Helper()
-	c.apply(clusterParkedName, fmt.Sprintf(`apiVersion: apps/v1
+	deployment := func(name, namespace, image string) string {
+		return fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
-metadata: {name: %[1]s, namespace: default}
+metadata: {name: %[1]s, namespace: %[2]s}
 spec:
   replicas: 0
   selector: {matchLabels: {app: %[1]s}}
@@ -751,8 +757,61 @@ spec:
     metadata: {labels: {app: %[1]s}}
     spec:
       containers:
-      - {name: main, image: %[2]s, imagePullPolicy: Never}
-`, clusterParkedName, clusterWorkload))
+      - {name: main, image: %[3]s, imagePullPolicy: Never}
+`, name, namespace, image)
+	}
+	c.apply(clusterOutsideName, fmt.Sprintf("apiVersion: v1\nkind: Namespace\nmetadata: {name: %s}\n---\n", clusterOutsideNamespace)+
+		deployment(clusterOutsideName, clusterOutsideNamespace, unwantedRef))
+	c.apply(clusterParkedName, deployment(clusterParkedName, "default", clusterWorkload))
+}
+
+// nodeReadsInScopeOnly checks, on the API server, what the credentials --pinned-workload-images
+// uses may read (issue "Trust", item 3): agent-1's kubelet credentials (what a patched k3s reads
+// the workloads with) and, with the DaemonSet, its service account list pods and Deployments in
+// "default", the namespace in scope, and are refused a cluster-wide list of either.
+func (c *cluster) nodeReadsInScopeOnly(r *clusterReport) {
+	c.t.Helper()
+	agent1 := c.agents()[0]
+	asKubelet := func(args ...string) (string, error) {
+		return agent1.inNode(filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig", "/var/lib/rancher/k3s/agent/kubelet.kubeconfig"}, args...)...)
+	}
+	type reader struct {
+		who string
+		get func(args ...string) (string, error)
+	}
+	readers := []reader{{agent1.name + "'s kubelet credentials", asKubelet}}
+	if c.mode.daemonSet {
+		readers = append(readers, reader{"the DaemonSet's service account", func(args ...string) (string, error) {
+			return c.kubectl(append([]string{"--as", "system:serviceaccount:k3s-pinning:k3s-pinning"}, args...)...)
+		}})
+	}
+	for _, rd := range readers {
+		for _, tc := range []struct {
+			what    string
+			args    []string
+			allowed bool
+		}{
+			{"list pods in default (in scope)", []string{"get", "pods", "-n", "default", "-o", "name"}, true},
+			{"list deployments in default (in scope)", []string{"get", "deployments", "-n", "default", "-o", "name"}, true},
+			{"list pods cluster-wide", []string{"get", "pods", "--all-namespaces", "-o", "name"}, false},
+			{"list deployments cluster-wide", []string{"get", "deployments", "--all-namespaces", "-o", "name"}, false},
+			{"list pods in " + clusterOutsideNamespace + " (outside the scope)", []string{"get", "pods", "-n", clusterOutsideNamespace, "-o", "name"}, false},
+		} {
+			out, err := rd.get(tc.args...)
+			got := "allowed"
+			if err != nil {
+				got = "denied"
+				if !strings.Contains(out, "Forbidden") && !strings.Contains(out, "forbidden") {
+					got = "failed: " + strings.TrimSpace(tail(out, 1))
+				}
+			}
+			c.t.Logf("%s: %s: %s", rd.who, tc.what, got)
+			if want := map[bool]string{true: "allowed", false: "denied"}[tc.allowed]; got != want {
+				c.t.Errorf("%s: %s: %s, want %s\n%s", rd.who, tc.what, got, want, strings.TrimSpace(out))
+			}
+			r.set(rd.who+": "+tc.what, "", got)
+		}
+	}
 }
 
 // clusterReport is what one cluster showed: a cell per scenario and node ("" node: the cluster).
@@ -936,6 +995,15 @@ func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterRep
 	c.parkWorkload()
 	parked := agent1.await(2*time.Minute, clusterWorkload+" pinned on "+agent1.name+" for the Deployment scaled to 0", func() bool { return agent1.criPinned(clusterWorkload) })
 	r.set("workload scaled to 0, its image imported by hand on agent-1 only", agent1.name, fmt.Sprintf("pinned %s after the Deployment", parked.Round(100*time.Millisecond)))
+	// The Deployment outside the scope was applied first: by the time the one in scope is
+	// pinned, a watcher that read every namespace would have pinned its image as well.
+	for _, n := range c.agents() {
+		if n.criPinned(unwantedRef) {
+			t.Errorf("%s: %s pinned for a Deployment in %s, outside --pinned-workload-namespaces", n.name, unwantedRef, clusterOutsideNamespace)
+		}
+	}
+	r.set("a workload outside the namespaces in scope names the unwanted hand import", "", yesNo(!agent1.criPinned(unwantedRef) && !agent2.criPinned(unwantedRef), "not pinned on any agent", "PINNED"))
+	c.nodeReadsInScopeOnly(r)
 
 	// Real disk pressure on agent-1: its kubelet reclaims (the unwanted hand import goes) and
 	// evicts; every air-gap image of that node and the workload's image stay; the web pod comes

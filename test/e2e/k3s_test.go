@@ -264,8 +264,8 @@ func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string)
 	n.starts++
 	cmd := exec.Command(filepath.Join(n.bin, "k3s"), append(n.k3sServerArgs(), extra...)...)
 	if n.pinning {
-		// Every start with pinning keeps the images of the cluster's workloads too.
-		env = append([]string{"K3S_PINNED_WORKLOAD_IMAGES=true"}, env...)
+		// Every start with pinning keeps the images of the workloads in "default" too.
+		env = append([]string{"K3S_PINNED_WORKLOAD_IMAGES=true", "K3S_PINNED_WORKLOAD_NAMESPACES=default"}, env...)
 	}
 	cmd.Env = append(os.Environ(), append([]string{"PATH=" + n.bin + ":" + os.Getenv("PATH")}, env...)...)
 	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
@@ -949,7 +949,7 @@ func (n *k3sNode) doctor(pinned string) int {
 // nothing else. With pinning (and --pinned-workload-images, on every start here), the agent's
 // kubelet credentials first may not read the workloads: a WorkloadAccessDenied Event says what is
 // missing while the node-local protection goes on; once deploy/k3s-pinning-workloads.yaml binds
-// its ClusterRole to the nodes, the image is pinned for its workload.
+// its ClusterRole to the nodes in "default", the image is pinned for its workload.
 func (n *k3sNode) parkWorkload(r *k3sReport) {
 	n.t.Helper()
 	if n.pinning {
@@ -1044,7 +1044,8 @@ func TestK3sWrapperAcceptsTheFlags(t *testing.T) {
 	bin := k3sBinDir(t)
 	for _, args := range [][]string{
 		{"server", "--disable-image-pinning", "--disable-image-restore"},
-		{"agent", "--pinned-images", handCLIRef, "--pinned-image-labels", "example.com/keep", "--pinned-workload-images"},
+		{"agent", "--pinned-images", handCLIRef, "--pinned-image-labels", "example.com/keep", "--pinned-workload-images",
+			"--pinned-workload-namespaces", "default", "--pinned-workload-selector", "k3s-pinning.io/keep=true", "--max-workload-images", "5"},
 	} {
 		dataDir := t.TempDir()
 		cmd := exec.Command(filepath.Join(bin, "k3s-wrapper"), append(args, "--data-dir", dataDir)...)
@@ -1112,7 +1113,7 @@ func TestK3sStockNodeWithDaemon(t *testing.T) {
 	}
 	daemon := exec.Command(n.k3sPinningBin(), "run", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
 		"--state-file", filepath.Join(n.dir, "daemon-state", "state.json"), "--kubeconfig", filepath.Join(n.dir, "kubeconfig"),
-		"--node-name", k3sNodeName, "--pinned-workload-images")
+		"--node-name", k3sNodeName, "--pinned-workload-images", "--pinned-workload-namespaces", "default")
 	daemon.Stdout, daemon.Stderr = logFile, logFile
 	daemon.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := daemon.Start(); err != nil {

@@ -15,7 +15,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/cache"
 
@@ -23,26 +23,35 @@ import (
 )
 
 // WorkloadsClusterRole is the ClusterRole of deploy/k3s-pinning-workloads.yaml: list and watch on
-// the kinds below, nothing else.
+// the kinds below, nothing else, granted by a RoleBinding in each namespace in scope.
 const WorkloadsClusterRole = "k3s-pinning-workloads"
 
 // workloadKind is a kind --pinned-workload-images reads: the access it needs and what its
 // informer lists (an object of the kind, and its pod spec).
 type workloadKind struct {
-	group, resource string
-	example         runtime.Object
-	spec            func(any) *corev1.PodSpec
+	kind, group, resource string
+	example               runtime.Object
+	spec                  func(any) *corev1.PodSpec
 }
 
 // workloadKinds are every kind with a pod template, and Pods.
 var workloadKinds = []workloadKind{
-	{"apps", "deployments", &appsv1.Deployment{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec }},
-	{"apps", "statefulsets", &appsv1.StatefulSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec }},
-	{"apps", "daemonsets", &appsv1.DaemonSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec }},
-	{"apps", "replicasets", &appsv1.ReplicaSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec }},
-	{"batch", "jobs", &batchv1.Job{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec }},
-	{"batch", "cronjobs", &batchv1.CronJob{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec }},
-	{"", "pods", &corev1.Pod{}, func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec }},
+	{"Deployment", "apps", "deployments", &appsv1.Deployment{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.Deployment).Spec.Template.Spec }},
+	{"StatefulSet", "apps", "statefulsets", &appsv1.StatefulSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.StatefulSet).Spec.Template.Spec }},
+	{"DaemonSet", "apps", "daemonsets", &appsv1.DaemonSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.DaemonSet).Spec.Template.Spec }},
+	{"ReplicaSet", "apps", "replicasets", &appsv1.ReplicaSet{}, func(o any) *corev1.PodSpec { return &o.(*appsv1.ReplicaSet).Spec.Template.Spec }},
+	{"Job", "batch", "jobs", &batchv1.Job{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.Job).Spec.Template.Spec }},
+	{"CronJob", "batch", "cronjobs", &batchv1.CronJob{}, func(o any) *corev1.PodSpec { return &o.(*batchv1.CronJob).Spec.JobTemplate.Spec.Template.Spec }},
+	{"Pod", "", "pods", &corev1.Pod{}, func(o any) *corev1.PodSpec { return &o.(*corev1.Pod).Spec }},
+}
+
+// CheckWorkloadScope checks what the agent checks not (images.PolicyValues): the selector's
+// syntax, naming its flag.
+func CheckWorkloadScope(scope images.WorkloadScope) error {
+	if _, err := labels.Parse(scope.Selector); err != nil {
+		return fmt.Errorf("--%s %q: %w", images.FlagWorkloadSelector, scope.Selector, err)
+	}
+	return nil
 }
 
 // ReasonWorkloadAccessDenied is the Event of credentials that may not read the workloads.
@@ -55,15 +64,28 @@ const (
 	settle      = time.Second // a rollout changes several objects at once: one update for them
 )
 
-// WatchWorkloads follows the pod templates of the cluster's Deployments, StatefulSets,
-// DaemonSets, ReplicaSets, Jobs and CronJobs, and its Pods, and calls update with every image
-// they name each time that set changes, until ctx ends. A workload scaled to zero keeps its
-// template, so its image is kept too. It first asks the API server whether its credentials may
-// list and watch each kind; while they may not, it says what is missing (once for each change)
-// and asks again every 30 s, one question at a time (the first permission still missing): the
-// node-local protection goes on meanwhile, and update is not called, so nothing is released on a
-// guess.
-func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
+// WatchWorkloads follows the pod templates of the Deployments, StatefulSets, DaemonSets,
+// ReplicaSets, Jobs and CronJobs, and the Pods, of the namespaces in scope whose labels match its
+// selector, and calls update with every image they name (and the workloads naming each) each
+// time that changes, until ctx ends. It never reads a namespace outside the scope: the
+// credentials need list and watch there only. A workload scaled to zero keeps its template, so
+// its image is kept too. It first asks the API server whether its credentials may list and
+// watch each kind in each namespace; while they may not, it says what is missing (once for each
+// change) and asks again every 30 s, one question at a time (the first permission still
+// missing): the node-local protection goes on meanwhile, and update is not called, so nothing is
+// released on a guess. A scope that does not parse is reported the same way, and never watched.
+func (n *Node) WatchWorkloads(ctx context.Context, scope images.WorkloadScope, update func(images.WorkloadImages)) {
+	selector, err := labels.Parse(scope.Selector)
+	if err != nil {
+		err = CheckWorkloadScope(scope) // the same error, naming the flag
+	} else if len(scope.Namespaces) == 0 {
+		err = fmt.Errorf("no --%s: no workload is read cluster-wide", images.FlagWorkloadNamespaces)
+	}
+	if err != nil {
+		logrus.Errorf("k3s-pinning: --%s: %v; the images dir and the policy are kept", images.FlagPinnedWorkloadImages, err)
+		n.Event(images.Event{Warning: true, Reason: ReasonWorkloadAccessDenied, Message: fmt.Sprintf("--%s: %v", images.FlagPinnedWorkloadImages, err)})
+		return
+	}
 	said := ""
 	var missing []access
 	for {
@@ -76,7 +98,7 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 			}
 		}
 		if err == nil && len(missing) == 0 {
-			missing, err = n.missingAccess(ctx)
+			missing, err = n.missingAccess(ctx, scope.Namespaces)
 			if err == nil && len(missing) == 0 {
 				break
 			}
@@ -89,7 +111,7 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 			for i, m := range missing {
 				names[i] = m.String()
 			}
-			msg = fmt.Sprintf("its credentials may not %s; bind the ClusterRole %s (deploy/k3s-pinning-workloads.yaml) to them", strings.Join(names, ", "), WorkloadsClusterRole)
+			msg = fmt.Sprintf("its credentials may not %s; bind the ClusterRole %s to them with a RoleBinding in each namespace in scope (deploy/k3s-pinning-workloads.yaml)", strings.Join(names, ", "), WorkloadsClusterRole)
 		}
 		if msg != said {
 			logrus.Errorf("k3s-pinning: --pinned-workload-images: %s; asking again every %s, the images dir and the policy are kept meanwhile", msg, accessRetry)
@@ -122,56 +144,58 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 		UpdateFunc: func(any, any) { poke() },
 		DeleteFunc: func(any) { poke() },
 	}
-	var listers []func() []corev1.PodSpec
+	var listers []func(yield func(owner string, spec *corev1.PodSpec))
 	var synced []cache.InformerSynced
 	var running sync.WaitGroup
 	defer running.Wait() // the informers stop with ctx
-	for _, k := range workloadKinds {
-		lw := cache.NewListWatchFromClient(n.client.forGroup(k.group), k.resource, metav1.NamespaceAll, fields.Everything())
-		inf := cache.NewSharedIndexInformer(lw, k.example, 0, cache.Indexers{})
-		if err := inf.SetTransform(trimToPodSpec); err != nil {
-			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
-		}
-		if _, err := inf.AddEventHandler(handler); err != nil {
-			logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
-		}
-		running.Add(1)
-		go func() {
-			defer running.Done()
-			inf.Run(ctx.Done())
-		}()
-		synced = append(synced, inf.HasSynced)
-		spec := k.spec
-		listers = append(listers, func() []corev1.PodSpec {
-			var out []corev1.PodSpec
-			for _, obj := range inf.GetStore().List() {
-				if s := spec(obj); s != nil {
-					out = append(out, *s)
-				}
+	onlySelected := func(o *metav1.ListOptions) { o.LabelSelector = selector.String() }
+	for _, ns := range scope.Namespaces {
+		for _, k := range workloadKinds {
+			lw := cache.NewFilteredListWatchFromClient(n.client.forGroup(k.group), k.resource, ns, onlySelected)
+			inf := cache.NewSharedIndexInformer(lw, k.example, 0, cache.Indexers{})
+			if err := inf.SetTransform(trimToPodSpec); err != nil {
+				logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
 			}
-			return out
-		})
+			if _, err := inf.AddEventHandler(handler); err != nil {
+				logrus.Errorf("k3s-pinning: --pinned-workload-images: %v", err)
+			}
+			running.Add(1)
+			go func() {
+				defer running.Done()
+				inf.Run(ctx.Done())
+			}()
+			synced = append(synced, inf.HasSynced)
+			kind, spec := k.kind, k.spec
+			listers = append(listers, func(yield func(string, *corev1.PodSpec)) {
+				for _, obj := range inf.GetStore().List() {
+					m, ok := obj.(metav1.Object)
+					if s := spec(obj); s != nil && ok {
+						yield(kind+" "+m.GetNamespace()+"/"+m.GetName(), s)
+					}
+				}
+			})
+		}
 	}
 	if !cache.WaitForCacheSync(ctx.Done(), synced...) && ctx.Err() == nil {
 		logrus.Errorf("k3s-pinning: --pinned-workload-images: the workloads' caches did not sync")
 	}
-	var last []string
+	var last images.WorkloadImages
 	for {
-		var refs []string
+		named := images.WorkloadImages{}
 		for _, list := range listers {
-			for _, spec := range list() {
-				refs = append(refs, specImages(spec)...)
-			}
+			list(func(owner string, spec *corev1.PodSpec) {
+				for _, ref := range specImages(*spec) {
+					named[ref] = append(named[ref], owner)
+				}
+			})
 		}
-		slices.Sort(refs)
-		refs = slices.Compact(refs)
-		if last == nil || !slices.Equal(refs, last) {
-			logrus.Infof("k3s-pinning: the cluster's workloads reference %d image(s)", len(refs))
-			update(refs)
-			last = refs
-			if last == nil {
-				last = []string{}
-			}
+		for ref := range named {
+			slices.Sort(named[ref])
+		}
+		if last == nil || !maps.EqualFunc(named, last, slices.Equal) {
+			logrus.Infof("k3s-pinning: the workloads in scope (%s) reference %d image(s)", strings.Join(scope.Namespaces, ", "), len(named))
+			update(named)
+			last = named
 		}
 		select {
 		case <-ctx.Done():
@@ -186,29 +210,32 @@ func (n *Node) WatchWorkloads(ctx context.Context, update func(refs []string)) {
 	}
 }
 
-// access is one permission WatchWorkloads needs.
-type access struct{ verb, group, resource string }
+// access is one permission WatchWorkloads needs: a verb on a kind in a namespace.
+type access struct{ verb, group, resource, namespace string }
 
 func (a access) String() string {
-	if a.group == "" {
-		return a.verb + " " + a.resource
+	what := a.resource
+	if a.group != "" {
+		what += "." + a.group
 	}
-	return a.verb + " " + a.resource + "." + a.group
+	return a.verb + " " + what + " in " + a.namespace
 }
 
 // missingAccess asks the API server (SelfSubjectAccessReview) whether the credentials may list
-// and watch each workload kind, and returns those they may not.
-func (n *Node) missingAccess(ctx context.Context) ([]access, error) {
+// and watch each workload kind in each namespace, and returns those they may not.
+func (n *Node) missingAccess(ctx context.Context, namespaces []string) ([]access, error) {
 	var missing []access
-	for _, k := range workloadKinds {
-		for _, verb := range []string{"list", "watch"} {
-			a := access{verb, k.group, k.resource}
-			ok, err := n.allowed(ctx, a)
-			if err != nil {
-				return nil, err
-			}
-			if !ok {
-				missing = append(missing, a)
+	for _, ns := range namespaces {
+		for _, k := range workloadKinds {
+			for _, verb := range []string{"list", "watch"} {
+				a := access{verb, k.group, k.resource, ns}
+				ok, err := n.allowed(ctx, a)
+				if err != nil {
+					return nil, err
+				}
+				if !ok {
+					missing = append(missing, a)
+				}
 			}
 		}
 	}
@@ -217,7 +244,7 @@ func (n *Node) missingAccess(ctx context.Context) ([]access, error) {
 
 func (n *Node) allowed(ctx context.Context, a access) (bool, error) {
 	review := &authorizationv1.SelfSubjectAccessReview{Spec: authorizationv1.SelfSubjectAccessReviewSpec{
-		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: a.verb, Group: a.group, Resource: a.resource},
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: a.verb, Group: a.group, Resource: a.resource, Namespace: a.namespace},
 	}}
 	got, err := n.client.reviewAccess(ctx, review)
 	if err != nil {

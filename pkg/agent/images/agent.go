@@ -89,6 +89,8 @@ type Config struct {
 	FetchMaxDiskUsage int
 	// RetainRemoved keeps what a removed archive provided (PolicyValues.RetainRemovedArchiveImages).
 	RetainRemoved bool
+	// MaxWorkloadImages bounds the references kept for workloads alone (0: DefaultMaxWorkloadImages).
+	MaxWorkloadImages int
 	// ImagefsUsage says how full the image filesystem is, in percent, and where it is; nil: the
 	// CRI's ImageFsInfo mount point, measured with statfs, as the kubelet measures it.
 	ImagefsUsage func(ctx context.Context) (percent float64, path string, err error)
@@ -97,6 +99,7 @@ type Config struct {
 // AgentConfig is the part of the agent's Config these values set.
 func (v PolicyValues) AgentConfig(cfg Config) Config {
 	cfg.Fetch, cfg.RetainRemoved, cfg.FetchMaxDiskUsage = v.FetchMissingImages, v.RetainRemovedArchiveImages, v.FetchMaxDiskUsage
+	cfg.MaxWorkloadImages = v.MaxWorkloadImages
 	return cfg
 }
 
@@ -119,9 +122,13 @@ type Agent struct {
 	plan    *Plan
 	listed  bool // plan was resolved against a containerd list (adoptK3sPins needs that)
 	track   tracker
-	// workloads are the references the cluster's workloads name, normalized; nil: not known.
-	workloads map[string]bool
-	resync    chan struct{} // a full sync requested (the images dir, containerd, the workloads)
+	// workloadImages are the references the workloads in scope name, normalized, with the
+	// workloads naming each; nil: not known. workloads are those of them admitted to the plan
+	// (admitWorkloads); refused says why each other one is not, as last reported.
+	workloadImages WorkloadImages
+	workloads      map[string]bool
+	refused        map[string]string
+	resync         chan struct{} // a full sync requested (the images dir, containerd, the workloads)
 	// agentLock, held open, makes this the one live agent of its state file; importLeasesDone:
 	// ownImportLeases has run (it runs once).
 	agentLock        *os.File
@@ -260,23 +267,22 @@ func (a *Agent) requestSync() {
 	}
 }
 
-// SetWorkloadImages sets the images the cluster's workloads reference (--pinned-workload-images:
+// SetWorkloadImages sets the images the workloads in scope reference (--pinned-workload-images:
 // pod templates of Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, and Pods),
-// as their specs write them, and has Run sync: those present are pinned, and pins set for a
-// workload no longer there are released. Until it is first called, workload pins are kept as
-// they are. A reference that does not parse is skipped.
-func (a *Agent) SetWorkloadImages(refs []string) {
-	set := make(map[string]bool, len(refs))
-	for _, r := range refs {
-		if named, err := reference.ParseDockerRef(r); err == nil {
-			set[named.String()] = true
+// as their specs write them, and has Run sync: those admitted within the limits are pinned
+// (admitWorkloads), and pins set for a workload no longer there are released. Until it is first
+// called, workload pins are kept as they are. A reference that does not parse is skipped.
+func (a *Agent) SetWorkloadImages(imgs WorkloadImages) {
+	named := make(WorkloadImages, len(imgs))
+	for r, owners := range imgs {
+		if n, err := reference.ParseDockerRef(r); err == nil {
+			named[n.String()] = append(named[n.String()], owners...)
 		}
 	}
 	a.mu.Lock()
-	a.workloads = set
-	a.replan()
+	a.workloadImages = named
 	a.mu.Unlock()
-	logrus.Infof("the cluster's workloads name %d image reference(s): reconciling", len(set))
+	logrus.Infof("the workloads in scope name %d image reference(s): reconciling", len(named))
 	a.requestSync()
 }
 
@@ -450,6 +456,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 		if a.stateLost {
 			a.rebuildRetained(listed)
 		}
+		a.admitWorkloads(ctx, listed)
 		pinned, err := a.pinner.PinWanted(ctx, listed.images(), a.plan.Source)
 		report.PolicyErr = errors.Join(err, a.releaseUnwanted(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {

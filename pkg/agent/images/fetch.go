@@ -158,10 +158,22 @@ func (a *Agent) startFetches(ctx context.Context, pending map[string]*pendingFet
 	return next
 }
 
-// fetchRoom is nil when the image filesystem has room for a fetch: used at most
-// FetchMaxDiskUsage percent, as the kubelet's image GC high threshold measures it; full says the
+// fetchRoom is nil when the image filesystem has room for a fetch (imagefsAbove); full says the
 // threshold is what holds the fetch back.
 func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
+	above, why, err := a.imagefsAbove(ctx)
+	switch {
+	case err != nil:
+		return false, fmt.Errorf("image filesystem usage unknown, not fetching: %w", err)
+	case above:
+		return true, errors.New(why + ": not fetching until it is below")
+	}
+	return false, nil
+}
+
+// imagefsAbove reports whether the image filesystem is used above FetchMaxDiskUsage percent, as
+// the kubelet's image GC high threshold measures it, and says so (why).
+func (a *Agent) imagefsAbove(ctx context.Context) (above bool, why string, err error) {
 	limit := a.cfg.FetchMaxDiskUsage
 	if limit <= 0 {
 		limit = DefaultFetchMaxDiskUsage
@@ -172,12 +184,12 @@ func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
 	}
 	percent, path, err := usage(ctx)
 	if err != nil {
-		return false, fmt.Errorf("image filesystem usage unknown, not fetching: %w", err)
+		return false, "", err
 	}
 	if percent > float64(limit) {
-		return true, fmt.Errorf("image filesystem %s is %.0f%% used, above --%s %d%%: not fetching until it is below", path, percent, FlagFetchMaxDiskUsage, limit)
+		return true, fmt.Sprintf("image filesystem %s is %.0f%% used, above --%s %d%%", path, percent, FlagFetchMaxDiskUsage, limit), nil
 	}
-	return false, nil
+	return false, "", nil
 }
 
 // criImagefsUsage is the CRI's image filesystem (ImageFsInfo's mount point), measured by statfs.

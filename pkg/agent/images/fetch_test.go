@@ -290,7 +290,7 @@ func TestFetchEndsWhenNothingWantsIt(t *testing.T) {
 	state := filepath.Join(t.TempDir(), "state.json")
 	cfg := agentimages.PolicyValues{FetchMissingImages: true, FetchMaxDiskUsage: 100, PinnedWorkloadImages: true}.AgentConfig(agentimages.Config{StateFile: state})
 	a := n.runWith(cfg)
-	a.SetWorkloadImages([]string{ref})
+	a.SetWorkloadImages(namedByWorkloads(ref))
 	n.await(30*time.Second, "a first failed fetch of "+ref, func() bool { return a.View().FetchesFailed >= 1 })
 	n.await(10*time.Second, "the state file showing the failure", func() bool {
 		s, err := agentimages.LoadState(state)
@@ -305,7 +305,7 @@ func TestFetchEndsWhenNothingWantsIt(t *testing.T) {
 		t.Errorf("the state file was written again for a fetch failing the same way (%v)", err)
 	}
 
-	a.SetWorkloadImages(nil)
+	a.SetWorkloadImages(namedByWorkloads())
 	n.await(10*time.Second, "the fetch dropped, its error forgotten", func() bool {
 		v := a.View()
 		return len(v.FetchesPending) == 0 && v.FetchErrors[ref] == ""

@@ -20,19 +20,34 @@ const (
 	FlagFetchMissingImages   = "fetch-missing-images"
 	FlagRetainRemoved        = "retain-removed-archive-images"
 	FlagFetchMaxDiskUsage    = "fetch-max-disk-usage"
+	FlagWorkloadNamespaces   = "pinned-workload-namespaces"
+	FlagWorkloadSelector     = "pinned-workload-selector"
+	FlagMaxWorkloadImages    = "max-workload-images"
 )
 
 // DefaultFetchMaxDiskUsage is the kubelet's default image GC high threshold (percent): a fetch
 // that starts above it would cause the very pressure it protects against.
 const DefaultFetchMaxDiskUsage = 85
 
+// DefaultMaxWorkloadImages bounds what the workloads in scope make a node keep: a tenant allowed
+// to create a Deployment decides what it names.
+const DefaultMaxWorkloadImages = 100
+
 // PolicyValues are the values of the policy flags, plain.
 type PolicyValues struct {
 	PinnedImages      []string
 	PinnedImageLabels []string
-	// PinnedWorkloadImages keeps every image a workload of the cluster references; it needs the
-	// cluster (K3sConfig.WatchWorkloads, or the command's --kubeconfig).
+	// PinnedWorkloadImages keeps every image a workload in scope references; it needs the
+	// cluster (K3sConfig.WatchWorkloads, or the command's --kubeconfig) and the namespaces.
 	PinnedWorkloadImages bool
+	// WorkloadNamespaces and WorkloadSelector are whose workloads count: the namespaces (each
+	// grants the node's credentials list and watch there), and a label selector their objects
+	// must match ("": all).
+	WorkloadNamespaces []string
+	WorkloadSelector   string
+	// MaxWorkloadImages bounds the references kept (and fetched) for workloads and nothing else
+	// (0: DefaultMaxWorkloadImages).
+	MaxWorkloadImages int
 	// FetchMissingImages fetches a wanted image that is missing and that no archive of this node
 	// provides (named by digest in --pinned-images, a retained archive's, a workload's named by
 	// digest) through the CRI, by digest: registries.yaml mirrors and k3s's embedded registry
@@ -61,7 +76,37 @@ func (v PolicyValues) Policy() (*pinning.Policy, error) {
 	if v.FetchMaxDiskUsage < 0 || v.FetchMaxDiskUsage > 100 {
 		return nil, fmt.Errorf("--%s %d: a percentage of the image filesystem, 1 to 100", FlagFetchMaxDiskUsage, v.FetchMaxDiskUsage)
 	}
+	if err == nil {
+		err = v.checkWorkloadScope()
+	}
 	return p, err
+}
+
+// WorkloadScope is whose workloads count, as the flags say.
+func (v PolicyValues) WorkloadScope() WorkloadScope {
+	return WorkloadScope{Namespaces: v.WorkloadNamespaces, Selector: v.WorkloadSelector}
+}
+
+// checkWorkloadScope refuses --pinned-workload-images without namespaces: no node credential
+// reads workloads cluster-wide (the namespaces are where the operator grants it), and the
+// operator says whose workloads decide what every node keeps. The selector's syntax is checked
+// by the watcher (pkg/agent/cluster), which knows Kubernetes's.
+func (v PolicyValues) checkWorkloadScope() error {
+	scoped := len(v.WorkloadNamespaces) > 0 || v.WorkloadSelector != ""
+	switch {
+	case v.PinnedWorkloadImages && len(v.WorkloadNamespaces) == 0:
+		return fmt.Errorf("--%s needs --%s: the namespaces whose workloads count (the node's credentials may list and watch them there, deploy/k3s-pinning-workloads.yaml)", FlagPinnedWorkloadImages, FlagWorkloadNamespaces)
+	case !v.PinnedWorkloadImages && scoped:
+		return fmt.Errorf("--%s and --%s apply to --%s, which is not set", FlagWorkloadNamespaces, FlagWorkloadSelector, FlagPinnedWorkloadImages)
+	case v.MaxWorkloadImages < 0:
+		return fmt.Errorf("--%s %d: a count of image references, 1 or more", FlagMaxWorkloadImages, v.MaxWorkloadImages)
+	}
+	for _, ns := range v.WorkloadNamespaces {
+		if ns == "" || ns == "*" {
+			return fmt.Errorf("--%s %q: a namespace's name (workloads are never read cluster-wide)", FlagWorkloadNamespaces, ns)
+		}
+	}
+	return nil
 }
 
 // K3sSettings are the values of the flags a patched k3s adds to `k3s agent` and `k3s server`
@@ -126,13 +171,19 @@ func policyFlags(envPrefix string) []cli.Flag {
 		&cli.StringSliceFlag{Name: FlagPinnedImageLabels, EnvVars: envVars(envPrefix, FlagPinnedImageLabels),
 			Usage: "(agent/images) Keep images carrying these containerd labels: key or key=value"},
 		&cli.BoolFlag{Name: FlagPinnedWorkloadImages, EnvVars: envVars(envPrefix, FlagPinnedWorkloadImages),
-			Usage: "(agent/images) Keep every image a workload of the cluster references (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, Pods), scaled to zero or not; needs list and watch on them"},
+			Usage: "(agent/images) Keep every image a workload in --" + FlagWorkloadNamespaces + " references (Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs, CronJobs, Pods), scaled to zero or not; needs list and watch on them there"},
+		&cli.StringSliceFlag{Name: FlagWorkloadNamespaces, EnvVars: envVars(envPrefix, FlagWorkloadNamespaces),
+			Usage: "(agent/images) The namespaces whose workloads --" + FlagPinnedWorkloadImages + " keeps (required with it)"},
+		&cli.StringFlag{Name: FlagWorkloadSelector, EnvVars: envVars(envPrefix, FlagWorkloadSelector),
+			Usage: "(agent/images) Only the workloads whose labels match this selector count, e.g. k3s-pinning.io/keep=true"},
+		&cli.IntFlag{Name: FlagMaxWorkloadImages, EnvVars: envVars(envPrefix, FlagMaxWorkloadImages), Value: DefaultMaxWorkloadImages,
+			Usage: "(agent/images) Keep and fetch at most this many image references for workloads; each one refused is a WorkloadImageRefused Event"},
 		&cli.BoolFlag{Name: FlagFetchMissingImages, EnvVars: envVars(envPrefix, FlagFetchMissingImages),
 			Usage: "(agent/images) Fetch a wanted image that is missing and that no archive here provides (--pinned-images by digest, retained, a workload's by digest) through the CRI, by digest: registries.yaml mirrors and the embedded registry's peers apply"},
 		&cli.BoolFlag{Name: FlagRetainRemoved, EnvVars: envVars(envPrefix, FlagRetainRemoved),
 			Usage: "(agent/images) Keep the images of an archive removed from the images dir pinned, as retained, until `k3s-pinning unpin`; a deleted one is fetched (--fetch-missing-images)"},
 		&cli.IntFlag{Name: FlagFetchMaxDiskUsage, EnvVars: envVars(envPrefix, FlagFetchMaxDiskUsage), Value: DefaultFetchMaxDiskUsage,
-			Usage: "(agent/images) Start no fetch while the image filesystem is used above this percent (the kubelet's image GC high threshold)"},
+			Usage: "(agent/images) Start no fetch, and pin no new workload image, while the image filesystem is used above this percent (the kubelet's image GC high threshold)"},
 	}
 }
 
@@ -143,6 +194,7 @@ func envVars(envPrefix, flag string) []string {
 
 func policyValues(c *cli.Context) PolicyValues {
 	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels), PinnedWorkloadImages: c.Bool(FlagPinnedWorkloadImages),
+		WorkloadNamespaces: c.StringSlice(FlagWorkloadNamespaces), WorkloadSelector: c.String(FlagWorkloadSelector), MaxWorkloadImages: c.Int(FlagMaxWorkloadImages),
 		FetchMissingImages: c.Bool(FlagFetchMissingImages), RetainRemovedArchiveImages: c.Bool(FlagRetainRemoved), FetchMaxDiskUsage: c.Int(FlagFetchMaxDiskUsage)}
 }
 
@@ -158,6 +210,8 @@ func actions(flags []cli.Flag, read func(*cli.Context) error) []cli.Flag {
 			f.Action = func(c *cli.Context, _ []string) error { return read(c) }
 		case *cli.IntFlag:
 			f.Action = func(c *cli.Context, _ int) error { return read(c) }
+		case *cli.StringFlag:
+			f.Action = func(c *cli.Context, _ string) error { return read(c) }
 		}
 	}
 	return flags

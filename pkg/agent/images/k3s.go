@@ -78,7 +78,7 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 		if cfg.WatchWorkloads == nil {
 			logrus.Errorf("k3s-pinning: --%s: no connection to the cluster was given; keeping the images dir and the policy only", FlagPinnedWorkloadImages)
 		} else {
-			go cfg.WatchWorkloads(ctx, agent.SetWorkloadImages)
+			go cfg.WatchWorkloads(ctx, cfg.WorkloadScope(), agent.SetWorkloadImages)
 		}
 	}
 	result := make(chan error, 1)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -94,11 +95,17 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(n.ctx)
 	rec := &recorder{}
-	workloads := make(chan func([]string), 1) // the agent's update, handed to the watcher
+	workloads := make(chan func(agentimages.WorkloadImages), 1) // the agent's update, handed to the watcher
 	keeper, done, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
 		ExtraRegistries: []string{"mirror.local:5000"}, Reporter: rec,
-		K3sSettings:    agentimages.K3sSettings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true}},
-		WatchWorkloads: func(ctx context.Context, update func([]string)) { workloads <- update; <-ctx.Done() }})
+		K3sSettings: agentimages.K3sSettings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}}},
+		WatchWorkloads: func(ctx context.Context, scope agentimages.WorkloadScope, update func(agentimages.WorkloadImages)) {
+			if !slices.Equal(scope.Namespaces, []string{"tenant"}) {
+				t.Errorf("the workload watcher was given the namespaces %q, want [tenant]", scope.Namespaces)
+			}
+			workloads <- update
+			<-ctx.Done()
+		}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,7 +203,7 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	// k3s left whose archive is gone is a workload's, so it is pinned again, for the workload.
 	select {
 	case update := <-workloads:
-		update([]string{"acc.example/gone:1.0"})
+		update(namedByWorkloads("acc.example/gone:1.0"))
 	case <-time.After(5 * time.Second):
 		t.Fatal("StartK3s did not start the workload watcher")
 	}

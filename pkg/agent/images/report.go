@@ -21,9 +21,20 @@ type Reporter interface {
 	Protection(Protection)
 }
 
-// WorkloadWatcher follows the images the cluster's workloads reference and calls update with all
+// WorkloadWatcher follows the images the workloads in scope reference and calls update with all
 // of them each time they change, until ctx ends.
-type WorkloadWatcher func(ctx context.Context, update func(refs []string))
+type WorkloadWatcher func(ctx context.Context, scope WorkloadScope, update func(WorkloadImages))
+
+// WorkloadScope is whose workloads count for --pinned-workload-images: those of these namespaces
+// whose objects match the label selector (Kubernetes syntax; "": every one of them).
+type WorkloadScope struct {
+	Namespaces []string
+	Selector   string
+}
+
+// WorkloadImages are the images the workloads in scope name: each reference as a pod spec writes
+// it, with the workloads that name it ("Deployment tenant-a/web").
+type WorkloadImages map[string][]string
 
 // Event is one notable happening, named in the kubelet's style.
 type Event struct {
@@ -47,6 +58,9 @@ const (
 	ReasonStateFileUnreadable = "StateFileUnreadable"
 	// ReasonStateRebuilt: the state was lost, and what was retained is read back from the pins.
 	ReasonStateRebuilt = "StateRebuilt"
+	// ReasonWorkloadImageRefused: a workload's image is not kept: a limit (named in the
+	// message, with the workload) holds it back.
+	ReasonWorkloadImageRefused = "WorkloadImageRefused"
 )
 
 // Protection is the node as the agent last saw it: every wanted reference present and pinned,

@@ -186,7 +186,7 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 	}
 	a, stop := start()
 	// As pod specs write them: short names too (docker.io/library/... is not used here).
-	a.SetWorkloadImages([]string{"acc.example/web:1.0", "acc.example/batch:2.0", "acc.example/theirs:1.0", "not a reference"})
+	a.SetWorkloadImages(namedByWorkloads("acc.example/web:1.0", "acc.example/batch:2.0", "acc.example/theirs:1.0", "not a reference"))
 	for _, ref := range refs[:2] {
 		n.await(10*time.Second, ref+" pinned for its workload", func() bool { return n.pinnedLabel(ref) })
 		if src, _ := pinning.OwnPin(n.labels(ref)); src != pinning.SourceWorkload {
@@ -199,7 +199,7 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 		return a.Keeper().Keep("sha256:none", []string{"acc.example/web:1.0"}, nil)
 	})
 	// The batch workload is deleted: its pin goes; theirs is not ours to remove.
-	a.SetWorkloadImages([]string{"acc.example/web:1.0"})
+	a.SetWorkloadImages(namedByWorkloads("acc.example/web:1.0"))
 	n.await(10*time.Second, "batch:2.0 released", func() bool { return !n.pinnedLabel("acc.example/batch:2.0") })
 	time.Sleep(200 * time.Millisecond)
 	if !n.pinnedLabel("acc.example/theirs:1.0") {
@@ -223,7 +223,7 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 	if !a.Keeper().Keep("sha256:none", []string{"acc.example/web:1.0"}, nil) {
 		t.Errorf("before the workloads are known, the filter does not keep web:1.0")
 	}
-	a.SetWorkloadImages(nil) // every workload gone
+	a.SetWorkloadImages(namedByWorkloads()) // every workload gone
 	n.await(10*time.Second, "web:1.0 released once no workload references it", func() bool { return !n.pinnedLabel("acc.example/web:1.0") })
 }
 
@@ -238,12 +238,12 @@ func TestLostThatNothingWantsIsNotMissing(t *testing.T) {
 	n.ctrImport(handTar)
 	rec := &recorder{}
 	a := n.runWith(agentimages.Config{Reporter: rec})
-	a.SetWorkloadImages([]string{hand})
+	a.SetWorkloadImages(namedByWorkloads(hand))
 	n.await(10*time.Second, hand+" pinned for its workload", func() bool { return n.pinnedLabel(hand) })
 	if out, err := exec.Command(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", "k8s.io", "images", "rm", hand).CombinedOutput(); err != nil {
 		t.Fatalf("ctr images rm: %v\n%s", err, out)
 	}
 	n.await(5*time.Second, "unprotected, "+hand+" lost", func() bool { p, _ := rec.last(); return slices.Contains(p.Lost, hand) })
-	a.SetWorkloadImages(nil)
+	a.SetWorkloadImages(namedByWorkloads())
 	n.await(10*time.Second, "protected once no workload names it", func() bool { p, _ := rec.last(); return p.Protected() })
 }
