@@ -34,6 +34,7 @@ func TestClusterUsageErrors(t *testing.T) {
 		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--pinned-workload-selector", "a in (", "--containerd-address", missing}, "", []string{"--pinned-workload-selector", `"a in ("`}},
 		{[]string{"run", "--pinned-workload-namespaces", "tenant", "--containerd-address", missing}, "", []string{"--pinned-workload-namespaces", "--pinned-workload-images"}},
 		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--max-workload-images", "-1", "--containerd-address", missing}, "", []string{"--max-workload-images -1"}},
+		{[]string{"run", "--pinned-workload-images", "--pinned-workload-namespaces", "tenant", "--max-workload-image-bytes", "lots", "--containerd-address", missing}, "", []string{"--max-workload-image-bytes", `"lots"`}},
 		{[]string{"run", "--kubeconfig", missing, "--containerd-address", missing}, "", []string{"run:", missing}},
 		{[]string{"run", "--kubeconfig", missing, "--in-cluster", "--node-name", "n1", "--containerd-address", missing}, "", []string{"--kubeconfig", "--in-cluster"}},
 		// a pod's host name is not its node's: the node is named, or nothing runs

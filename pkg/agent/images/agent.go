@@ -89,17 +89,20 @@ type Config struct {
 	FetchMaxDiskUsage int
 	// RetainRemoved keeps what a removed archive provided (PolicyValues.RetainRemovedArchiveImages).
 	RetainRemoved bool
-	// MaxWorkloadImages bounds the references kept for workloads alone (0: DefaultMaxWorkloadImages).
-	MaxWorkloadImages int
-	// ImagefsUsage says how full the image filesystem is, in percent, and where it is; nil: the
-	// CRI's ImageFsInfo mount point, measured with statfs, as the kubelet measures it.
-	ImagefsUsage func(ctx context.Context) (percent float64, path string, err error)
+	// MaxWorkloadImages bounds the references kept for workloads alone (0: DefaultMaxWorkloadImages),
+	// MaxWorkloadImageBytes their images' bytes (0: no bound).
+	MaxWorkloadImages     int
+	MaxWorkloadImageBytes int64
+	// ImagefsUsage says how full the image filesystem is; nil: the CRI's ImageFsInfo mount
+	// point, measured with statfs, as the kubelet measures it.
+	ImagefsUsage func(ctx context.Context) (DiskUsage, error)
 }
 
 // AgentConfig is the part of the agent's Config these values set.
 func (v PolicyValues) AgentConfig(cfg Config) Config {
 	cfg.Fetch, cfg.RetainRemoved, cfg.FetchMaxDiskUsage = v.FetchMissingImages, v.RetainRemovedArchiveImages, v.FetchMaxDiskUsage
 	cfg.MaxWorkloadImages = v.MaxWorkloadImages
+	cfg.MaxWorkloadImageBytes, _ = v.maxWorkloadImageBytes() // checked with the flags
 	return cfg
 }
 
@@ -128,7 +131,11 @@ type Agent struct {
 	workloadImages WorkloadImages
 	workloads      map[string]bool
 	refused        map[string]string
-	resync         chan struct{} // a full sync requested (the images dir, containerd, the workloads)
+	// workloadBytes are the bytes of the images admitted for workloads alone and present, as of
+	// the last admission; sizes remembers image sizes by target for it.
+	workloadBytes int64
+	sizes         map[digest.Digest]int64
+	resync        chan struct{} // a full sync requested (the images dir, containerd, the workloads)
 	// agentLock, held open, makes this the one live agent of its state file; importLeasesDone:
 	// ownImportLeases has run (it runs once).
 	agentLock        *os.File

@@ -139,12 +139,16 @@ func (a *Agent) startFetches(ctx context.Context, pending map[string]*pendingFet
 		}
 		p.inFlight, p.noSpace = true, false
 		inFlight++
+		guard := a.guardOf(p)
 		running(func() {
 			start := time.Now()
 			pctx, cancel := context.WithTimeout(ctx, fetchTimeout)
 			defer cancel()
 			res := fetchResult{pull: p.pull}
-			_, res.err = a.cd.CRI.PullImage(pctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: p.pull}})
+			res.err = a.guardedPull(pctx, guard, func(ctx context.Context) error {
+				_, err := a.cd.CRI.PullImage(ctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: p.pull}})
+				return err
+			})
 			if res.err == nil {
 				res.target, res.err = a.cd.Images.Get(ctx, p.pull)
 			}
@@ -161,7 +165,7 @@ func (a *Agent) startFetches(ctx context.Context, pending map[string]*pendingFet
 // fetchRoom is nil when the image filesystem has room for a fetch (imagefsAbove); full says the
 // threshold is what holds the fetch back.
 func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
-	above, why, err := a.imagefsAbove(ctx)
+	above, why, err := a.imagefsAbove(ctx, 0)
 	switch {
 	case err != nil:
 		return false, fmt.Errorf("image filesystem usage unknown, not fetching: %w", err)
@@ -169,51 +173,6 @@ func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
 		return true, errors.New(why + ": not fetching until it is below")
 	}
 	return false, nil
-}
-
-// imagefsAbove reports whether the image filesystem is used above FetchMaxDiskUsage percent, as
-// the kubelet's image GC high threshold measures it, and says so (why).
-func (a *Agent) imagefsAbove(ctx context.Context) (above bool, why string, err error) {
-	limit := a.cfg.FetchMaxDiskUsage
-	if limit <= 0 {
-		limit = DefaultFetchMaxDiskUsage
-	}
-	usage := a.cfg.ImagefsUsage
-	if usage == nil {
-		usage = a.criImagefsUsage
-	}
-	percent, path, err := usage(ctx)
-	if err != nil {
-		return false, "", err
-	}
-	if percent > float64(limit) {
-		return true, fmt.Sprintf("image filesystem %s is %.0f%% used, above --%s %d%%", path, percent, FlagFetchMaxDiskUsage, limit), nil
-	}
-	return false, "", nil
-}
-
-// criImagefsUsage is the CRI's image filesystem (ImageFsInfo's mount point), measured by statfs.
-func (a *Agent) criImagefsUsage(ctx context.Context) (float64, string, error) {
-	resp, err := a.cd.CRI.ImageFsInfo(ctx, &runtimeapi.ImageFsInfoRequest{})
-	if err != nil {
-		return 0, "", fmt.Errorf("CRI ImageFsInfo: %w", err)
-	}
-	var worst float64
-	var where string
-	for _, fs := range resp.GetImageFilesystems() {
-		path := fs.GetFsId().GetMountpoint()
-		percent, err := fsUsage(path)
-		if err != nil {
-			return 0, path, fmt.Errorf("statfs %s: %w", path, err)
-		}
-		if where == "" || percent > worst {
-			worst, where = percent, path
-		}
-	}
-	if where == "" {
-		return 0, "", errors.New("the CRI reports no image filesystem")
-	}
-	return worst, where, nil
 }
 
 // fetchFailed records a failed or held-back fetch (noSpace: held back by the disk threshold): an
@@ -231,8 +190,16 @@ func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
 	for ref := range p.refs {
 		a.state.Agent.FetchErrors[ref] = err.Error()
 	}
-	logrus.Errorf("fetch %s (%s) failed, retrying in %s: %v", p.pull, refs, p.backoff, err)
-	a.event(true, ReasonImageFetchFailed, "fetching %s by digest %s failed, retrying in %s: %v", refs, p.digest, p.backoff, err)
+	var refused *pullRefused
+	if errors.As(err, &refused) && refused.owners != "" {
+		p.noSpace = refused.noSpace
+		logrus.Warnf("%s, named by %s, not fetched: %v; asking again in %s", refs, refused.owners, err, p.backoff)
+		a.event(true, ReasonWorkloadImageRefused, "%s, named by %s, not fetched by digest %s: %v", refs, refused.owners, p.digest, err)
+	} else {
+		p.noSpace = p.noSpace || (refused != nil && refused.noSpace)
+		logrus.Errorf("fetch %s (%s) failed, retrying in %s: %v", p.pull, refs, p.backoff, err)
+		a.event(true, ReasonImageFetchFailed, "fetching %s by digest %s failed, retrying in %s: %v", refs, p.digest, p.backoff, err)
+	}
 	p.backoff = min(2*p.backoff, retryMax)
 	a.saveViewChange()
 }

@@ -130,9 +130,9 @@ func TestFetchWaitsBelowTheDiskThreshold(t *testing.T) {
 	var asked atomic.Int64
 	rec := &recorder{}
 	cfg := agentimages.PolicyValues{FetchMissingImages: true}.AgentConfig(agentimages.Config{Policy: policy, Reporter: rec,
-		ImagefsUsage: func(context.Context) (float64, string, error) {
+		ImagefsUsage: func(context.Context) (agentimages.DiskUsage, error) {
 			asked.Add(1)
-			return float64(used.Load()), "/imagefs", nil
+			return agentimages.DiskUsage{Path: "/imagefs", Used: used.Load(), Capacity: 100}, nil
 		}})
 	a := n.runWith(cfg)
 	n.await(10*time.Second, "the fetch held back at 91%", func() bool { return slices.Contains(a.View().WaitingForDisk, shared) })

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/docker/go-units"
 	"github.com/urfave/cli/v2"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -12,17 +13,18 @@ import (
 
 // Flag names: a contract, as k3s's own flags are (command line, K3S_ variables, config.yaml keys).
 const (
-	FlagPinnedImages         = "pinned-images"
-	FlagPinnedImageLabels    = "pinned-image-labels"
-	FlagDisableImagePinning  = "disable-image-pinning"
-	FlagDisableImageRestore  = "disable-image-restore"
-	FlagPinnedWorkloadImages = "pinned-workload-images"
-	FlagFetchMissingImages   = "fetch-missing-images"
-	FlagRetainRemoved        = "retain-removed-archive-images"
-	FlagFetchMaxDiskUsage    = "fetch-max-disk-usage"
-	FlagWorkloadNamespaces   = "pinned-workload-namespaces"
-	FlagWorkloadSelector     = "pinned-workload-selector"
-	FlagMaxWorkloadImages    = "max-workload-images"
+	FlagPinnedImages          = "pinned-images"
+	FlagPinnedImageLabels     = "pinned-image-labels"
+	FlagDisableImagePinning   = "disable-image-pinning"
+	FlagDisableImageRestore   = "disable-image-restore"
+	FlagPinnedWorkloadImages  = "pinned-workload-images"
+	FlagFetchMissingImages    = "fetch-missing-images"
+	FlagRetainRemoved         = "retain-removed-archive-images"
+	FlagFetchMaxDiskUsage     = "fetch-max-disk-usage"
+	FlagWorkloadNamespaces    = "pinned-workload-namespaces"
+	FlagWorkloadSelector      = "pinned-workload-selector"
+	FlagMaxWorkloadImages     = "max-workload-images"
+	FlagMaxWorkloadImageBytes = "max-workload-image-bytes"
 )
 
 // DefaultFetchMaxDiskUsage is the kubelet's default image GC high threshold (percent): a fetch
@@ -46,8 +48,10 @@ type PolicyValues struct {
 	WorkloadNamespaces []string
 	WorkloadSelector   string
 	// MaxWorkloadImages bounds the references kept (and fetched) for workloads and nothing else
-	// (0: DefaultMaxWorkloadImages).
-	MaxWorkloadImages int
+	// (0: DefaultMaxWorkloadImages); MaxWorkloadImageBytes their images' bytes, as a size with a
+	// binary unit ("20Gi"; "": no bound).
+	MaxWorkloadImages     int
+	MaxWorkloadImageBytes string
 	// FetchMissingImages fetches a wanted image that is missing and that no archive of this node
 	// provides (named by digest in --pinned-images, a retained archive's, a workload's named by
 	// digest) through the CRI, by digest: registries.yaml mirrors and k3s's embedded registry
@@ -82,6 +86,21 @@ func (v PolicyValues) Policy() (*pinning.Policy, error) {
 	return p, err
 }
 
+// maxWorkloadImageBytes is MaxWorkloadImageBytes in bytes (0: no bound).
+func (v PolicyValues) maxWorkloadImageBytes() (int64, error) {
+	if v.MaxWorkloadImageBytes == "" {
+		return 0, nil
+	}
+	n, err := units.RAMInBytes(v.MaxWorkloadImageBytes)
+	if err == nil && n < 0 {
+		err = errors.New("negative")
+	}
+	if err != nil {
+		return 0, fmt.Errorf("--%s %q: a size such as 20Gi or 512Mi: %w", FlagMaxWorkloadImageBytes, v.MaxWorkloadImageBytes, err)
+	}
+	return n, nil
+}
+
 // WorkloadScope is whose workloads count, as the flags say.
 func (v PolicyValues) WorkloadScope() WorkloadScope {
 	return WorkloadScope{Namespaces: v.WorkloadNamespaces, Selector: v.WorkloadSelector}
@@ -92,12 +111,15 @@ func (v PolicyValues) WorkloadScope() WorkloadScope {
 // operator says whose workloads decide what every node keeps. The selector's syntax is checked
 // by the watcher (pkg/agent/cluster), which knows Kubernetes's.
 func (v PolicyValues) checkWorkloadScope() error {
-	scoped := len(v.WorkloadNamespaces) > 0 || v.WorkloadSelector != ""
+	scoped := len(v.WorkloadNamespaces) > 0 || v.WorkloadSelector != "" || v.MaxWorkloadImageBytes != ""
+	if _, err := v.maxWorkloadImageBytes(); err != nil {
+		return err
+	}
 	switch {
 	case v.PinnedWorkloadImages && len(v.WorkloadNamespaces) == 0:
 		return fmt.Errorf("--%s needs --%s: the namespaces whose workloads count (the node's credentials may list and watch them there, deploy/k3s-pinning-workloads.yaml)", FlagPinnedWorkloadImages, FlagWorkloadNamespaces)
 	case !v.PinnedWorkloadImages && scoped:
-		return fmt.Errorf("--%s and --%s apply to --%s, which is not set", FlagWorkloadNamespaces, FlagWorkloadSelector, FlagPinnedWorkloadImages)
+		return fmt.Errorf("--%s, --%s and --%s apply to --%s, which is not set", FlagWorkloadNamespaces, FlagWorkloadSelector, FlagMaxWorkloadImageBytes, FlagPinnedWorkloadImages)
 	case v.MaxWorkloadImages < 0:
 		return fmt.Errorf("--%s %d: a count of image references, 1 or more", FlagMaxWorkloadImages, v.MaxWorkloadImages)
 	}
@@ -178,6 +200,8 @@ func policyFlags(envPrefix string) []cli.Flag {
 			Usage: "(agent/images) Only the workloads whose labels match this selector count, e.g. k3s-pinning.io/keep=true"},
 		&cli.IntFlag{Name: FlagMaxWorkloadImages, EnvVars: envVars(envPrefix, FlagMaxWorkloadImages), Value: DefaultMaxWorkloadImages,
 			Usage: "(agent/images) Keep and fetch at most this many image references for workloads; each one refused is a WorkloadImageRefused Event"},
+		&cli.StringFlag{Name: FlagMaxWorkloadImageBytes, EnvVars: envVars(envPrefix, FlagMaxWorkloadImageBytes),
+			Usage: "(agent/images) Keep and fetch at most this many bytes of images for workloads, e.g. 20Gi (a fetch is stopped once its manifest tells its size)"},
 		&cli.BoolFlag{Name: FlagFetchMissingImages, EnvVars: envVars(envPrefix, FlagFetchMissingImages),
 			Usage: "(agent/images) Fetch a wanted image that is missing and that no archive here provides (--pinned-images by digest, retained, a workload's by digest) through the CRI, by digest: registries.yaml mirrors and the embedded registry's peers apply"},
 		&cli.BoolFlag{Name: FlagRetainRemoved, EnvVars: envVars(envPrefix, FlagRetainRemoved),
@@ -195,7 +219,8 @@ func envVars(envPrefix, flag string) []string {
 func policyValues(c *cli.Context) PolicyValues {
 	return PolicyValues{PinnedImages: c.StringSlice(FlagPinnedImages), PinnedImageLabels: c.StringSlice(FlagPinnedImageLabels), PinnedWorkloadImages: c.Bool(FlagPinnedWorkloadImages),
 		WorkloadNamespaces: c.StringSlice(FlagWorkloadNamespaces), WorkloadSelector: c.String(FlagWorkloadSelector), MaxWorkloadImages: c.Int(FlagMaxWorkloadImages),
-		FetchMissingImages: c.Bool(FlagFetchMissingImages), RetainRemovedArchiveImages: c.Bool(FlagRetainRemoved), FetchMaxDiskUsage: c.Int(FlagFetchMaxDiskUsage)}
+		MaxWorkloadImageBytes: c.String(FlagMaxWorkloadImageBytes),
+		FetchMissingImages:    c.Bool(FlagFetchMissingImages), RetainRemovedArchiveImages: c.Bool(FlagRetainRemoved), FetchMaxDiskUsage: c.Int(FlagFetchMaxDiskUsage)}
 }
 
 // actions makes every flag that is set (on the command line, in the environment or the config

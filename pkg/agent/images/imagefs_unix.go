@@ -4,16 +4,13 @@ package images
 
 import "syscall"
 
-// fsUsage is how full the filesystem holding path is, in percent, as the kubelet computes it
-// (capacity less what is available to unprivileged users).
-func fsUsage(path string) (float64, error) {
+// fsUsage is how full the filesystem holding path is, as the kubelet computes it (capacity less
+// what is available to unprivileged users).
+func fsUsage(path string) (DiskUsage, error) {
 	var st syscall.Statfs_t
 	if err := syscall.Statfs(path, &st); err != nil {
-		return 0, err
+		return DiskUsage{}, err
 	}
-	capacity := float64(st.Blocks) * float64(st.Bsize)
-	if capacity == 0 {
-		return 0, nil
-	}
-	return 100 * (capacity - float64(st.Bavail)*float64(st.Bsize)) / capacity, nil
+	capacity := int64(st.Blocks) * int64(st.Bsize)
+	return DiskUsage{Path: path, Used: capacity - int64(st.Bavail)*int64(st.Bsize), Capacity: capacity}, nil
 }

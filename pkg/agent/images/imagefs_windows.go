@@ -3,4 +3,4 @@ package images
 import "errors"
 
 // fsUsage is not measured on Windows: StartK3s refuses to run there.
-func fsUsage(string) (float64, error) { return 0, errors.ErrUnsupported }
+func fsUsage(string) (DiskUsage, error) { return DiskUsage{}, errors.ErrUnsupported }

@@ -4,12 +4,16 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/containerd/platforms"
+
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -42,7 +46,9 @@ func TestWorkloadImagesWithinLimits(t *testing.T) {
 	used.Store(10)
 	rec := &recorder{}
 	cfg := agentimages.Config{Reporter: rec, MaxWorkloadImages: 2, StateFile: filepath.Join(t.TempDir(), "state.json"),
-		ImagefsUsage: func(context.Context) (float64, string, error) { return float64(used.Load()), "/imagefs", nil }}
+		ImagefsUsage: func(context.Context) (agentimages.DiskUsage, error) {
+			return agentimages.DiskUsage{Path: "/imagefs", Used: used.Load(), Capacity: 100}, nil
+		}}
 	start := func(cfg agentimages.Config) (*agentimages.Agent, func()) {
 		cfg.ImagesDir = n.imagesDir
 		a := agentimages.NewAgent(agentimages.Services(n.client), cfg)
@@ -115,5 +121,67 @@ func TestWorkloadImagesWithinLimits(t *testing.T) {
 	})
 	if !workloadPinned(hand[0]) || !workloadPinned(hand[2]) {
 		t.Errorf("--max-workload-images lowered to 1 unpinned a workload's image (tenant-a: %v, tenant-c: %v)", workloadPinned(hand[0]), workloadPinned(hand[2]))
+	}
+}
+
+// TestWorkloadImageBytesLimit (issue "Trust", item 2): --max-workload-image-bytes holds back a
+// workload's image present on the node whose bytes go beyond it, and stops the fetch of one named
+// by digest as soon as its manifest tells its size: a WorkloadImageRefused Event naming the
+// image, its workload and the limit, before any of its blobs was served.
+func TestWorkloadImageBytesLimit(t *testing.T) {
+	n := newNode(t)
+	dir := t.TempDir()
+	hand := []string{"acc.example/tenant-a:1.0", "acc.example/tenant-b:1.0"}
+	for i, ref := range hand {
+		file := fmt.Sprintf("hand%d.tar", i)
+		writeArchive(t, dir, archiveCase{file: file, refs: []string{ref}})
+		n.ctrImport(filepath.Join(dir, file))
+	}
+	sizes := map[string]int64{}
+	for _, ref := range hand {
+		stored, err := n.client.ImageService().Get(n.ctx, ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sizes[ref], err = stored.Size(n.ctx, n.client.ContentStore(), platforms.Default()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := newHeldPeer(t)
+	img, err := imagetest.Image(4<<20, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, pushed := p.pushTo.push(t, "tenant/big:1.0", img)
+	big := p.host + strings.TrimPrefix(pushed, p.pushTo.host)
+
+	// Room for tenant-a, not for tenant-b beside it.
+	limit := sizes[hand[0]] + sizes[hand[1]] - 1
+	rec := &recorder{}
+	cfg := agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}, FetchMissingImages: true, FetchMaxDiskUsage: 100,
+		MaxWorkloadImageBytes: strconv.FormatInt(limit, 10)}.AgentConfig(agentimages.Config{Reporter: rec})
+	a := n.runWith(cfg)
+	a.SetWorkloadImages(agentimages.WorkloadImages{
+		hand[0]: {"Deployment tenant/a"}, hand[1]: {"Deployment tenant/b"}, big: {"CronJob tenant/big"}})
+	n.await(10*time.Second, "tenant-a pinned for its workload", func() bool { return n.pinnedLabel(hand[0]) })
+	n.await(10*time.Second, "tenant-b refused for --max-workload-image-bytes", func() bool {
+		e, ok := rec.event(agentimages.ReasonWorkloadImageRefused, hand[1])
+		return ok && strings.Contains(e.Message, "Deployment tenant/b") && strings.Contains(e.Message, "--max-workload-image-bytes")
+	})
+	var refusal agentimages.Event
+	n.await(30*time.Second, "the fetch of "+big+" refused for --max-workload-image-bytes", func() bool {
+		var ok bool
+		refusal, ok = rec.event(agentimages.ReasonWorkloadImageRefused, "not fetched")
+		return ok
+	})
+	t.Logf("event: %s", refusal.Message)
+	if !strings.Contains(refusal.Message, "CronJob tenant/big") || !strings.Contains(refusal.Message, "--max-workload-image-bytes") {
+		t.Errorf("the refusal does not name the workload and the limit: %s", refusal.Message)
+	}
+	if n.pinnedLabel(hand[1]) || n.target(big) != "" {
+		t.Errorf("beyond --max-workload-image-bytes: tenant-b pinned %v, %s pulled %v", n.pinnedLabel(hand[1]), big, n.target(big) != "")
+	}
+	if p.held.Load() == 0 {
+		t.Errorf("no blob was asked for: the fetch was refused before it started, not on its manifest")
 	}
 }
