@@ -146,7 +146,7 @@ func newApp(stdout io.Writer) *cli.App {
 						if interval <= 0 {
 							interval = images.DefaultReconcileInterval // as Run takes it
 						}
-						stallAfter := stalledIntervals * interval
+						stallAfter := images.StalledIntervals * interval
 						if o.metricsAddress != "" {
 							registry := prometheus.NewRegistry()
 							registry.MustRegister(a.Metrics())

@@ -13,11 +13,6 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// stalledIntervals is how many reconcile intervals may pass without a reconcile ending before
-// /healthz and the node condition say the agent is stuck: one reconcile may be slow (a first sync
-// of a large images dir), three in a row are not.
-const stalledIntervals = 3
-
 // health answers the orchestrator's probes from the agent's own clock, never waiting on the agent:
 // ready once its first sync ended, alive while a reconcile ended (or the agent started) within
 // stallAfter.

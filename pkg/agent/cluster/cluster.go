@@ -113,18 +113,39 @@ type Node struct {
 	mu      sync.Mutex
 	latest  *images.Protection
 	changed chan struct{}
+	// stall, when set (WatchReconciles), says how to see the agent stuck.
+	stall *stallWatch
+}
 
-	// reconciled, when set (WatchReconciles), is when the agent's last reconcile ended; the
-	// condition is Unknown once none has ended for stallAfter since started.
+// stallWatch makes the condition Unknown once no reconcile has ended (reconciled) for after,
+// counted from started at the earliest.
+type stallWatch struct {
 	reconciled func() time.Time
 	started    time.Time
-	stallAfter time.Duration
+	after      time.Duration
 }
 
 // WatchReconciles makes the condition say when the agent is stuck: Unknown, ReasonStalled, once no
-// reconcile has ended (reconciled, read at each heartbeat) for stallAfter. Call it before Run.
+// reconcile has ended (reconciled, read at each heartbeat) for stallAfter. It may be called while
+// Run runs (a patched k3s starts Run before its agent exists; images.ReconcileWatcher).
 func (r *Node) WatchReconciles(reconciled func() time.Time, stallAfter time.Duration) {
-	r.reconciled, r.started, r.stallAfter = reconciled, time.Now(), stallAfter
+	r.mu.Lock()
+	r.stall = &stallWatch{reconciled: reconciled, started: time.Now(), after: stallAfter}
+	r.mu.Unlock()
+	select { // the heartbeat shortens to the stall's bound
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+// beat is how often the condition is written again: a stall is seen within one beat of it.
+func (r *Node) beat() time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stall != nil && r.stall.after < heartbeat {
+		return r.stall.after
+	}
+	return heartbeat
 }
 
 // NewNode reports on node through client. Run it to have the condition written.
@@ -210,11 +231,7 @@ func (r *Node) Run(ctx context.Context) {
 	defer r.stop()
 	lastErr := ""
 	wait := retryMin
-	beat := heartbeat
-	if r.reconciled != nil && r.stallAfter < beat {
-		beat = r.stallAfter // a stall is seen within one beat of it
-	}
-	timer := time.NewTimer(beat)
+	timer := time.NewTimer(r.beat())
 	defer timer.Stop()
 	for {
 		select {
@@ -226,6 +243,7 @@ func (r *Node) Run(ctx context.Context) {
 		r.mu.Lock()
 		p := r.latest
 		r.mu.Unlock()
+		beat := r.beat()
 		if p == nil {
 			timer.Reset(beat)
 			continue
@@ -287,12 +305,15 @@ func (r *Node) writeCondition(ctx context.Context, p images.Protection) error {
 	}
 	now := time.Now()
 	c := Condition(p, now)
-	if r.reconciled != nil {
-		last := r.reconciled()
-		if last.Before(r.started) {
-			last = r.started
+	r.mu.Lock()
+	stall := r.stall
+	r.mu.Unlock()
+	if stall != nil {
+		last := stall.reconciled()
+		if last.Before(stall.started) {
+			last = stall.started
 		}
-		c = Stalled(c, last, now, r.stallAfter)
+		c = Stalled(c, last, now, stall.after)
 	}
 	if i := slices.IndexFunc(node.Status.Conditions, func(o corev1.NodeCondition) bool { return o.Type == ConditionType }); i >= 0 {
 		if old := node.Status.Conditions[i]; old.Status == c.Status {

@@ -100,3 +100,29 @@ type failingSink struct{ err error }
 func (s failingSink) Create(*corev1.Event) (*corev1.Event, error)        { return nil, s.err }
 func (s failingSink) Update(*corev1.Event) (*corev1.Event, error)        { return nil, s.err }
 func (s failingSink) Patch(*corev1.Event, []byte) (*corev1.Event, error) { return nil, s.err }
+
+// TestStallWatchedWhileRunning: WatchReconciles may come after Run started (a patched k3s starts
+// Run before its agent exists): the heartbeat shortens to the stall's bound, read under the lock.
+func TestStallWatchedWhileRunning(t *testing.T) {
+	n := &Node{changed: make(chan struct{}, 1)}
+	if got := n.beat(); got != heartbeat {
+		t.Errorf("beat %s before WatchReconciles, want the heartbeat %s", got, heartbeat)
+	}
+	done := make(chan struct{})
+	go func() { // as StartK3s does, beside Run's loop reading the beat
+		defer close(done)
+		n.WatchReconciles(func() time.Time { return time.Time{} }, time.Second)
+	}()
+	for deadline := time.Now().Add(5 * time.Second); n.beat() != time.Second; {
+		if time.Now().After(deadline) {
+			t.Fatalf("beat %s after WatchReconciles(1s)", n.beat())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	<-done
+	select {
+	case <-n.changed:
+	default:
+		t.Errorf("WatchReconciles did not wake Run to write the condition at the new beat")
+	}
+}

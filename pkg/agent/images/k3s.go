@@ -74,6 +74,9 @@ func StartK3s(ctx context.Context, cfg K3sConfig) (keeper *Keeper, done <-chan e
 		logrus.Errorf("k3s-pinning: %v", err)
 	}
 	logrus.Infof("k3s-pinning: %s loaded and pinned in %s; following it", cfg.ImagesDir, time.Since(start).Round(time.Millisecond))
+	if w, ok := cfg.Reporter.(ReconcileWatcher); ok {
+		w.WatchReconciles(agent.Reconciled, StalledIntervals*DefaultReconcileInterval)
+	}
 	if cfg.PinnedWorkloadImages {
 		if cfg.WatchWorkloads == nil {
 			logrus.Errorf("k3s-pinning: --%s: no connection to the cluster was given; keeping the images dir and the policy only", FlagPinnedWorkloadImages)

@@ -94,7 +94,7 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	}()
 
 	ctx, cancel := context.WithCancel(n.ctx)
-	rec := &recorder{}
+	rec := &stallRecorder{recorder: &recorder{}}
 	workloads := make(chan func(agentimages.WorkloadImages), 1) // the agent's update, handed to the watcher
 	keeper, done, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
 		ExtraRegistries: []string{"mirror.local:5000"}, Reporter: rec,
@@ -115,6 +115,10 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 			t.Errorf("the agent stopped with %v", err)
 		}
 	})
+	// The node condition can say the agent is stuck: StartK3s tells the Reporter how.
+	if rec.stallAfter != agentimages.StalledIntervals*agentimages.DefaultReconcileInterval || rec.reconciled == nil || rec.reconciled().IsZero() {
+		t.Errorf("the Reporter was not told how to see the agent stalled (bound %s; a reconcile seen: %v)", rec.stallAfter, rec.reconciled != nil && !rec.reconciled().IsZero())
+	}
 
 	// Everything k3s's import creates, pinned, and recorded for its archive.
 	digest := n.target("acc.example/team/app:1.0")
@@ -255,4 +259,15 @@ func TestStartK3sOptions(t *testing.T) {
 	if n.target("acc.example/app:1.0") != "" {
 		t.Error("app:1.0 restored although --disable-image-restore is set")
 	}
+}
+
+// stallRecorder is a recorder that is also a ReconcileWatcher, as pkg/agent/cluster's Node is.
+type stallRecorder struct {
+	*recorder
+	reconciled func() time.Time
+	stallAfter time.Duration
+}
+
+func (r *stallRecorder) WatchReconciles(reconciled func() time.Time, stallAfter time.Duration) {
+	r.reconciled, r.stallAfter = reconciled, stallAfter
 }

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/images"
 
@@ -19,6 +20,13 @@ import (
 type Reporter interface {
 	Event(Event)
 	Protection(Protection)
+}
+
+// ReconcileWatcher is a Reporter that can also say when the agent is stuck: told how to read when
+// the agent's last reconcile ended, it reports the agent stalled once none has for stallAfter.
+// StartK3s tells a Reporter that implements it (pkg/agent/cluster's Node does).
+type ReconcileWatcher interface {
+	WatchReconciles(reconciled func() time.Time, stallAfter time.Duration)
 }
 
 // WorkloadWatcher follows the images the workloads in scope reference and calls update with all

@@ -43,6 +43,11 @@ type RunOptions struct {
 // DefaultReconcileInterval is the safety-net period; events do the steady-state work.
 const DefaultReconcileInterval = 5 * time.Minute
 
+// StalledIntervals is how many reconcile intervals may pass without a reconcile ending before the
+// agent counts as stuck (its /healthz, its node condition): one reconcile may be slow (a first
+// sync of a large images dir), three in a row are not.
+const StalledIntervals = 3
+
 const (
 	// fsSettle lets a copy into the images dir finish before the archive is read.
 	fsSettle = time.Second
