@@ -659,7 +659,7 @@ func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 		return idx, "", err
 	}
 	idx, d, err := airgap.ReadFile(ar)
-	if rec != nil && d != "" && rec.Digest == d {
+	if rec != nil && !rec.Incomplete && d != "" && rec.Digest == d {
 		return rec.index(ar), d, nil
 	}
 	return idx, d, err
@@ -682,6 +682,9 @@ func (a *Agent) record(ar airgap.Archive, idx *airgap.Index, contentDigest diges
 			rec.Refs[r.Ref] = digest.Digest(r.Digest)
 		case r.Err != nil && old != nil && old.Refs[r.Ref] != "":
 			rec.Refs[r.Ref] = old.Refs[r.Ref] // failed now: still provided, so kept and restorable
+		}
+		if r.Err != nil && r.Err != errPullPending {
+			rec.Incomplete = true
 		}
 	}
 	for _, img := range idx.Images {

@@ -48,6 +48,10 @@ type ArchiveState struct {
 	// Refs are every reference loaded from the archive (tags, repo@digest, retags) and the digest
 	// each pointed at: what a restore must bring back, and what is unpinned when the archive goes.
 	Refs map[string]digest.Digest `json:"refs"`
+	// Incomplete: a reference failed in the last load (containerd going away mid-update), so the
+	// record may hold a digest the archive no longer has; the next sync loads the archive from the
+	// file again, not from this record.
+	Incomplete bool `json:"incomplete,omitempty"`
 }
 
 // AgentView is the running agent's view, written with the state so that `status` and `doctor`,
@@ -269,10 +273,10 @@ func lockDir(dir string) (unlock func(), err error) {
 	return func() { f.Close() }, nil
 }
 
-// unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), so
-// that a restart does not read, hash or import it.
+// unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), and
+// its last load completed, so that a restart does not read, hash or import it.
 func (as *ArchiveState) unchanged(ar airgap.Archive) bool {
-	return as != nil && as.Size == ar.Size && as.ModTime.Equal(ar.ModTime)
+	return as != nil && !as.Incomplete && as.Size == ar.Size && as.ModTime.Equal(ar.ModTime)
 }
 
 // index is the recorded index of the archive, as airgap.Read would return it.
