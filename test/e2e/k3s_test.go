@@ -956,7 +956,7 @@ func (n *k3sNode) parkWorkload(r *k3sReport) {
 		n.await(time.Minute, "a WorkloadAccessDenied event on the Node", func() bool { return n.nodeEvent("WorkloadAccessDenied", "ClusterRole") != "" })
 		r.workloadDenied = n.nodeEvent("WorkloadAccessDenied", "ClusterRole")
 		n.t.Logf("without the ClusterRole: %s", r.workloadDenied)
-		if !strings.Contains(r.workloadDenied, "list deployments.apps") {
+		if !strings.Contains(r.workloadDenied, "list and watch deployments.apps") || !strings.Contains(r.workloadDenied, "pods in default") {
 			n.t.Errorf("the denial does not name what is missing: %s", r.workloadDenied)
 		}
 		if !n.criPinned(handCLIRef) || !n.criPinned(k3sAppRef) {

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -124,5 +125,21 @@ func TestStallWatchedWhileRunning(t *testing.T) {
 	case <-n.changed:
 	default:
 		t.Errorf("WatchReconciles did not wake Run to write the condition at the new beat")
+	}
+}
+
+// TestDescribeMissing: the denial names each namespace once, the kinds missing the same verbs
+// together, in the order the agent asked.
+func TestDescribeMissing(t *testing.T) {
+	var missing []access
+	for _, ns := range []string{"tenant-a", "tenant-b"} {
+		missing = append(missing, access{"list", "apps", "deployments", ns}, access{"watch", "apps", "deployments", ns})
+	}
+	missing = append(missing, access{"list", "", "pods", "tenant-a"}, access{"watch", "", "pods", "tenant-a"}, access{"watch", "", "pods", "tenant-b"})
+	// as missingAccess returns them: namespace by namespace
+	slices.SortStableFunc(missing, func(a, b access) int { return strings.Compare(a.namespace, b.namespace) })
+	want := "list and watch deployments.apps, pods in tenant-a; list and watch deployments.apps in tenant-b; watch pods in tenant-b"
+	if got := describeMissing(missing); got != want {
+		t.Errorf("describeMissing:\n got %s\nwant %s", got, want)
 	}
 }

@@ -107,11 +107,7 @@ func (n *Node) WatchWorkloads(ctx context.Context, scope images.WorkloadScope, u
 		if err != nil {
 			msg = fmt.Sprintf("cannot check its access: %v", err)
 		} else {
-			names := make([]string, len(missing))
-			for i, m := range missing {
-				names[i] = m.String()
-			}
-			msg = fmt.Sprintf("its credentials may not %s; bind the ClusterRole %s to them with a RoleBinding in each namespace in scope (deploy/k3s-pinning-workloads.yaml)", strings.Join(names, ", "), WorkloadsClusterRole)
+			msg = fmt.Sprintf("its credentials may not %s; bind the ClusterRole %s to them with a RoleBinding in each namespace in scope (deploy/k3s-pinning-workloads.yaml)", describeMissing(missing), WorkloadsClusterRole)
 		}
 		if msg != said {
 			logrus.Errorf("k3s-pinning: --pinned-workload-images: %s; asking again every %s, the images dir and the policy are kept meanwhile", msg, accessRetry)
@@ -213,12 +209,48 @@ func (n *Node) WatchWorkloads(ctx context.Context, scope images.WorkloadScope, u
 // access is one permission WatchWorkloads needs: a verb on a kind in a namespace.
 type access struct{ verb, group, resource, namespace string }
 
-func (a access) String() string {
-	what := a.resource
-	if a.group != "" {
-		what += "." + a.group
+// kind is the resource as kubectl names it: deployments.apps, pods.
+func (a access) kind() string {
+	if a.group == "" {
+		return a.resource
 	}
-	return a.verb + " " + what + " in " + a.namespace
+	return a.resource + "." + a.group
+}
+
+// describeMissing says what missing lacks, a namespace at a time, the kinds missing the same verbs
+// together: "list and watch deployments.apps, pods in tenant-a; watch pods in tenant-b".
+func describeMissing(missing []access) string {
+	var namespaces []string
+	verbs := map[string]map[string][]string{} // namespace -> kind -> verbs
+	var kinds []string
+	for _, m := range missing {
+		if verbs[m.namespace] == nil {
+			verbs[m.namespace] = map[string][]string{}
+			namespaces = append(namespaces, m.namespace)
+		}
+		if !slices.Contains(kinds, m.kind()) {
+			kinds = append(kinds, m.kind())
+		}
+		verbs[m.namespace][m.kind()] = append(verbs[m.namespace][m.kind()], m.verb)
+	}
+	var parts []string
+	for _, ns := range namespaces {
+		var order []string
+		byVerbs := map[string][]string{}
+		for _, k := range kinds { // in workloadKinds' order
+			if v := verbs[ns][k]; v != nil {
+				key := strings.Join(v, " and ")
+				if byVerbs[key] == nil {
+					order = append(order, key)
+				}
+				byVerbs[key] = append(byVerbs[key], k)
+			}
+		}
+		for _, key := range order {
+			parts = append(parts, key+" "+strings.Join(byVerbs[key], ", ")+" in "+ns)
+		}
+	}
+	return strings.Join(parts, "; ")
 }
 
 // missingAccess asks the API server (SelfSubjectAccessReview) whether the credentials may list
