@@ -33,7 +33,7 @@ func (s *updateFailing) Update(ctx context.Context, img images.Image, fieldpaths
 // TestFailedTagUpdateLeavesNoStaleDigest: a docker archive replaced by another image under the
 // same tag, whose tag update fails once, provides the old image's digest reference only until an
 // import moves the tag: then the old digest reference is no longer wanted and its pin goes (the
-// soak found it kept for ever, seed 1796676295044844168).
+// soak found it kept for ever).
 func TestFailedTagUpdateLeavesNoStaleDigest(t *testing.T) {
 	n := newNode(t)
 	const tag = "acc.example/app:1.0"

@@ -180,7 +180,9 @@ func (a *Agent) fetchRoom(ctx context.Context) (full bool, err error) {
 // when what status and doctor show of it changed: a fetch failing again the same way writes
 // nothing.
 func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
-	p.noSpace = noSpace || isNoSpace(err)
+	var refused *pullRefused
+	errors.As(err, &refused)
+	p.noSpace = noSpace || isNoSpace(err) || (refused != nil && refused.noSpace)
 	p.retryAt = time.Now().Add(jittered(p.backoff))
 	a.state.Agent.FetchesFailed++
 	if a.state.Agent.FetchErrors == nil {
@@ -190,13 +192,10 @@ func (a *Agent) fetchFailed(p *pendingFetch, err error, noSpace bool) {
 	for ref := range p.refs {
 		a.state.Agent.FetchErrors[ref] = err.Error()
 	}
-	var refused *pullRefused
-	if errors.As(err, &refused) && refused.owners != "" {
-		p.noSpace = refused.noSpace
+	if refused != nil && refused.owners != "" {
 		logrus.Warnf("%s, named by %s, not fetched: %v; asking again in %s", refs, refused.owners, err, p.backoff)
 		a.event(true, ReasonWorkloadImageRefused, "%s, named by %s, not fetched by digest %s: %v", refs, refused.owners, p.digest, err)
 	} else {
-		p.noSpace = p.noSpace || (refused != nil && refused.noSpace)
 		logrus.Errorf("fetch %s (%s) failed, retrying in %s: %v", p.pull, refs, p.backoff, err)
 		a.event(true, ReasonImageFetchFailed, "fetching %s by digest %s failed, retrying in %s: %v", refs, p.digest, p.backoff, err)
 	}

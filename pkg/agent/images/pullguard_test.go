@@ -51,6 +51,18 @@ func newHeldPeer(t *testing.T) *heldPeer {
 	return h
 }
 
+// pushRandom pushes a random image of size bytes under repoTag and returns its repo@digest
+// reference as pulled from the held side.
+func (h *heldPeer) pushRandom(t *testing.T, repoTag string, size int64) string {
+	t.Helper()
+	img, err := imagetest.Image(size, imagetest.Amd64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, pushed := h.pushTo.push(t, repoTag, img)
+	return h.host + strings.TrimPrefix(pushed, h.pushTo.host)
+}
+
 // TestFetchStopsWhenTheImageWouldFillTheDisk (issue "Trust", item 2): a fetch that starts below
 // --fetch-max-disk-usage is stopped as soon as its manifest tells the image's size, when that
 // size would bring the image filesystem above the threshold: before any of its blobs was
@@ -58,12 +70,7 @@ func newHeldPeer(t *testing.T) *heldPeer {
 func TestFetchStopsWhenTheImageWouldFillTheDisk(t *testing.T) {
 	n := newNode(t)
 	p := newHeldPeer(t)
-	img, err := imagetest.Image(8<<20, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, pushed := p.pushTo.push(t, "team/big:1.0", img)
-	big := p.host + strings.TrimPrefix(pushed, p.pushTo.host)
+	big := p.pushRandom(t, "team/big:1.0", 8<<20)
 	policy, err := agentimages.PolicyValues{PinnedImages: []string{big}}.Policy()
 	if err != nil {
 		t.Fatal(err)

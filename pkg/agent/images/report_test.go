@@ -173,16 +173,7 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 	n.setLabel("acc.example/theirs:1.0", pinning.LabelPinned, pinning.PinnedValue) // not ours
 	state := filepath.Join(t.TempDir(), "state.json")
 	start := func() (*agentimages.Agent, func()) {
-		a := agentimages.NewAgent(agentimages.Services(n.client), agentimages.Config{ImagesDir: n.imagesDir, StateFile: state})
-		ctx, cancel := context.WithCancel(n.ctx)
-		done := make(chan error, 1)
-		go func() { done <- a.Run(ctx, agentimages.RunOptions{ReconcileInterval: time.Hour}) }()
-		return a, func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		}
+		return n.startAgent(agentimages.Config{StateFile: state}, agentimages.RunOptions{ReconcileInterval: time.Hour})
 	}
 	a, stop := start()
 	// As pod specs write them: short names too (docker.io/library/... is not used here).

@@ -32,18 +32,25 @@ func (n *node) runAgent(stateFile string, wantPinned ...string) {
 // periodic reconcile out of the way) until the test ends; Run's error fails the test.
 func (n *node) runWith(cfg agentimages.Config) *agentimages.Agent {
 	n.t.Helper()
+	a, stop := n.startAgent(cfg, agentimages.RunOptions{Restore: true, ReconcileInterval: time.Hour})
+	n.t.Cleanup(stop)
+	return a
+}
+
+// startAgent runs an agent on the node's images dir until stop, which waits for Run to end: a
+// test that restarts the agent on the same state file stops the first one itself.
+func (n *node) startAgent(cfg agentimages.Config, opts agentimages.RunOptions) (a *agentimages.Agent, stop func()) {
 	cfg.ImagesDir = n.imagesDir
-	a := agentimages.NewAgent(agentimages.Services(n.client), cfg)
+	a = agentimages.NewAgent(agentimages.Services(n.client), cfg)
 	ctx, cancel := context.WithCancel(n.ctx)
 	done := make(chan error, 1)
-	go func() { done <- a.Run(ctx, agentimages.RunOptions{Restore: true, ReconcileInterval: time.Hour}) }()
-	n.t.Cleanup(func() {
+	go func() { done <- a.Run(ctx, opts) }()
+	return a, func() {
 		cancel()
 		if err := <-done; err != nil {
 			n.t.Errorf("Run: %v", err)
 		}
-	})
-	return a
+	}
 }
 
 // await polls cond until it holds or d passes, and returns how long it took.

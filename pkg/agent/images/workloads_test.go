@@ -13,7 +13,6 @@ import (
 	"github.com/containerd/platforms"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
-	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -49,20 +48,7 @@ func TestWorkloadImagesWithinLimits(t *testing.T) {
 		ImagefsUsage: func(context.Context) (agentimages.DiskUsage, error) {
 			return agentimages.DiskUsage{Path: "/imagefs", Used: used.Load(), Capacity: 100}, nil
 		}}
-	start := func(cfg agentimages.Config) (*agentimages.Agent, func()) {
-		cfg.ImagesDir = n.imagesDir
-		a := agentimages.NewAgent(agentimages.Services(n.client), cfg)
-		ctx, cancel := context.WithCancel(n.ctx)
-		done := make(chan error, 1)
-		go func() { done <- a.Run(ctx, agentimages.RunOptions{ReconcileInterval: time.Hour}) }()
-		return a, func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		}
-	}
-	a, stop := start(cfg)
+	a, stop := n.startAgent(cfg, agentimages.RunOptions{ReconcileInterval: time.Hour})
 	named := func(refs ...string) agentimages.WorkloadImages {
 		w := agentimages.WorkloadImages{"acc.example/airgap:1.0": {"DaemonSet kube-system/agent"}}
 		for _, ref := range refs {
@@ -113,7 +99,7 @@ func TestWorkloadImagesWithinLimits(t *testing.T) {
 	// A lower limit holds back new pins only: both workload pins stay.
 	stop()
 	cfg.MaxWorkloadImages = 1
-	b, stop := start(cfg)
+	b, stop := n.startAgent(cfg, agentimages.RunOptions{ReconcileInterval: time.Hour})
 	defer stop()
 	b.SetWorkloadImages(named(hand[0], hand[2]))
 	n.await(10*time.Second, "the second agent's sync with the workloads", func() bool {
@@ -148,12 +134,7 @@ func TestWorkloadImageBytesLimit(t *testing.T) {
 		}
 	}
 	p := newHeldPeer(t)
-	img, err := imagetest.Image(4<<20, imagetest.Amd64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, pushed := p.pushTo.push(t, "tenant/big:1.0", img)
-	big := p.host + strings.TrimPrefix(pushed, p.pushTo.host)
+	big := p.pushRandom(t, "tenant/big:1.0", 4<<20)
 
 	// Room for tenant-a, not for tenant-b beside it.
 	limit := sizes[hand[0]] + sizes[hand[1]] - 1
