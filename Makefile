@@ -3,16 +3,23 @@
 GO ?= go
 GOBIN ?= $(shell $(GO) env GOPATH)/bin
 
-.PHONY: demo test unit build vet docs release patches-check k3s-patches-check k3s k3s-e2e cluster-e2e e2e bench fuzz soak
+.PHONY: demo test test-lines unit build vet docs release patches-check k3s-patches-check k3s k3s-e2e cluster-e2e e2e bench fuzz soak
 
 ## demo: build containerd, load a generated air-gap images dir, run the real kubelet image GC
 ## with the image filesystem 95% full, print what survived (needs root)
 demo:
 	cd test/kubelet && GOWORK=$$(../../build/kubelet-workspace.sh) $(GO) run -mod=vendor ./cmd/demo
 
-## test: every test, including those against a real containerd and the real kubelet GC code (root)
+## test: every test, including those against a real containerd, the real kubelet GC code and a
+## real k3s of the newest line (root; fails when not root, or when a suite skipped or ran nothing)
 test:
 	bash scripts/test.sh
+
+## test-lines: the lines besides the newest, for release checks: the agent's tests and the short
+## soak on containerd 1.7 and 2.1, make k3s-e2e on every other k3s tree of ../shared/k3s-src/current,
+## make patches-check (kubernetes 1.34-1.37) (root)
+test-lines:
+	bash scripts/test-lines.sh
 
 ## patches-check: apply patches/kubernetes to the newest served release of each kubernetes line
 ## (1.34-1.37) in a vendor tree, build it, run the kubelet's pkg/kubelet/images tests and ours

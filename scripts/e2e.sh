@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
 # -v: the tables are the point of the run. A failing scenario prints the end of its node's log.
-GOWORK=$work go test -mod=vendor -count=1 -v -timeout 20m -skip '^Test(K3s|Cluster)' ./...
+# The k3s node's and the cluster's tests are make k3s-e2e and make cluster-e2e; the fleet bench
+# is make bench's.
+GOWORK=$work bash ../../scripts/gotest.sh --show -mod=vendor -count=1 -timeout 20m -skip '^Test(K3s|Cluster|FleetBench)' ./...

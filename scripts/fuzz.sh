@@ -25,5 +25,7 @@ for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy ./pkg/agent/images:
   execs=$(echo "$out" | sed -n 's/.*execs: \([0-9]*\) .*/\1/p' | tail -1)
   elapsed=$(echo "$out" | sed -n 's/^fuzz: elapsed: \([0-9]*\)s, execs.*/\1/p' | tail -1)
   execs=${execs:-0} elapsed=${elapsed:-0}
+  # A target renamed or gone matches nothing, and go test passes without fuzzing.
+  if [ "$execs" -eq 0 ]; then echo "$out"; echo "FAIL  $name: 0 executions (no fuzz target of that name in $pkg?)"; exit 1; fi
   echo "ok    $name: $execs executions in $elapsed s ($(( execs / (elapsed > 0 ? elapsed : 1) )) per second), no crash"
 done

@@ -2,7 +2,8 @@
 # make k3s-e2e: build k3s with k3s-pinning in it (make k3s, from K3S_SOURCE, by default the newest
 # k3s line in ../shared/k3s-src), then run a real k3s node through the scenarios of
 # test/e2e/k3s_test.go, with pinning and with --disable-image-pinning, and print their table.
-# K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s*); K3S_E2E_BIN, a bin dir
+# K3S_E2E_RUN narrows the tests (go test -run; default every TestK3s* but make bench's
+# TestK3sBench); a filter that matches nothing fails (scripts/gotest.sh). K3S_E2E_BIN, a bin dir
 # make k3s built, skips the build; K3S_E2E_TIMEOUT is go test's -timeout (30m).
 # Needs root, runc, mkfs.ext4 and losetup (.ci/run installs them).
 set -euo pipefail
@@ -21,4 +22,6 @@ if [ -z "${K3S_E2E_BIN:-}" ]; then
 fi
 work=$(build/kubelet-workspace.sh)
 cd test/e2e
-GOWORK=$work go test -mod=vendor -count=1 -v -timeout "${K3S_E2E_TIMEOUT:-30m}" -run "${K3S_E2E_RUN:-^TestK3s}" .
+filter=(-run "${K3S_E2E_RUN:-^TestK3s}")
+[ -n "${K3S_E2E_RUN:-}" ] || filter+=(-skip '^TestK3sBench$')
+GOWORK=$work bash ../../scripts/gotest.sh --show -mod=vendor -count=1 -timeout "${K3S_E2E_TIMEOUT:-30m}" "${filter[@]}" .

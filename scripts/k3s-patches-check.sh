@@ -4,7 +4,7 @@
 #    and its files; the patches are numbered git format-patch mails 1/N..N/N whose targets are
 #    exactly the SERIES files; added Go files are gofmt-clean and use only what this module
 #    exports; and the series applies (git apply --check) to every k3s tree in ../shared/k3s-src
-#    whose commit its SERIES lists under "lines:", and to one at least where there are trees;
+#    whose commit its SERIES lists under "lines:", and to one at least (no k3s tree here is a failure);
 #  - each patch of patches/k3s-offline/k3s applies to every k3s tree there whose go.mod replaces a
 #    module with the fork it stands in for (patches/k3s-offline/k3s/WHEN): make k3s applies it the
 #    day the module proxy refuses that fork;
@@ -29,7 +29,7 @@ for archive in "$k3s_src"/k3s-release-*.tar.gz "$k3s_src"/current/k3s-*.tar.gz; 
   (cd "$tmp/$name" && git init -q && git add -A && git -c user.email=x@x -c user.name=x commit -qm k3s)
   trees[$short]=$tmp/$name
 done
-[ ${#trees[@]} -gt 0 ] || echo "note  no k3s archive in $k3s_src: series are checked for form only"
+[ ${#trees[@]} -gt 0 ] || fail "no k3s archive in $k3s_src: no series can be checked against a tree (../shared/k3s-src, or K3S_SRC_DIR)"
 
 declare -A covered=()
 for dir in patches/k3s/*/; do

@@ -1,88 +1,20 @@
 #!/usr/bin/env bash
-# make test: vet, every test of the modules, the short soak, the fuzz targets, make e2e, make
-# k3s-e2e on two k3s lines (a real k3s built with k3s-pinning, from ../shared/k3s-src), make
-# cluster-e2e on the newest (a server and two agents), and, in the background beside them, the
-# cross-build check and make release with its artifacts checked. Tests that need root
-# (a real containerd) skip with a loud SKIPPED line when not root; this script says so again.
-# Whatever fails, the end checks that no test left a containerd or a mount behind.
+# make test: vet, every test of the modules (the real containerd, the real kubelet GC code), the
+# short soak, the fuzz targets, the k3s series checked against every k3s tree, make e2e, and
+# make k3s-e2e and make cluster-e2e on the newest k3s line (a real k3s built with k3s-pinning,
+# from ../shared/k3s-src); in the background beside them, the cross-build check and make release
+# with its artifacts checked. The other lines (containerd's, k3s's, the kubelet's) are make
+# test-lines. Every go test runs through scripts/gotest.sh: a skipped test, or a filter that
+# matches nothing, fails the run. Whatever fails, the end checks that no test left a containerd,
+# a mount, a namespace or a process behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Each phase's header says how far into the run it starts (a cold CI run must stay within budget).
-t0=$(date +%s)
-phase() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-
-# A /run/k3s that was there before (a k3s of the machine) is not the tests' to judge.
-had_run_k3s=$([ -e /run/k3s ] && echo yes || echo no)
-# The host paths the cluster e2e mounts over in its nodes' namespaces: those absent now must be
-# absent at the end (it creates them as mount points and removes them).
-cluster_paths=()
-for p in /var/lib/rancher /var/lib/kubelet /var/log/pods /var/log/containers /etc/rancher /var/lib/cni; do
-  [ -e "$p" ] || cluster_paths+=("$p")
-done
-
-# leaks [rc]: the exit code so far is $? (as the EXIT trap), or the argument when a trap that ran
-# commands first passes it on.
-leaks() {
-  local rc=${1:-$?}
-  if pgrep -f 'k3s-pinning/containerd-.*/containerd --config' >/dev/null; then
-    echo "FAIL: a test left a containerd running:" >&2
-    pgrep -af 'k3s-pinning/containerd-.*/containerd --config' >&2
-    rc=1
-  fi
-  if grep -q ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts; then
-    echo "FAIL: a test left mounts behind:" >&2
-    grep ' /tmp/ctrd-\| /tmp/k3s-pinning-demo-\| /tmp/k3s-pinning-e2e-\| /tmp/k3s-pinning-soak-' /proc/self/mounts >&2
-    rc=1
-  fi
-  if losetup -a 2>/dev/null | grep -q 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-\|k3s-pinning-cluster-e2e-'; then
-    echo "FAIL: a test left a loop device behind:" >&2
-    losetup -a | grep 'k3s-pinning-e2e-\|k3s-pinning-k3s-e2e-\|k3s-pinning-cluster-e2e-' >&2
-    rc=1
-  fi
-  # A pod's processes outlive a shim killed with SIGKILL; they hold the node's ext4 (and so its
-  # loop device) in their mount namespace.
-  local left
-  left=$(find /sys/fs/cgroup -path '*kubepods*' -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u | tr '\n' ' ')
-  if [ -n "${left// /}" ]; then
-    echo "FAIL: a test left pod processes in the kubelet's cgroups: $left" >&2
-    ps -o pid,etime,cmd -p "$(xargs <<<"$left" | tr " " ",")" >&2 || true
-    rc=1
-  fi
-  if pgrep -f 'k3s-pinning/e2e/e2e-node' >/dev/null; then
-    echo "FAIL: a test left a kubelet (e2e-node) running" >&2
-    rc=1
-  fi
-  if pgrep -f 'k3s-build/.*/bin/k3s (server|agent)' >/dev/null || { [ "$had_run_k3s" = no ] && [ -e /run/k3s ]; } || grep -q ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-\| /tmp/k3s-pinning-cluster-e2e-' /proc/self/mounts; then
-    echo "FAIL: the k3s e2e left k3s, /run/k3s or a mount behind:" >&2
-    pgrep -af 'k3s-build/.*/bin/k3s (server|agent)' >&2 || true
-    grep ' /run/k3s/\| /tmp/k3s-pinning-k3s-e2e-\| /tmp/k3s-pinning-cluster-e2e-' /proc/self/mounts >&2 || true
-    rc=1
-  fi
-  # The cluster e2e's network namespaces (k3spPID-*) and its kubelets' cgroup roots (k3sp-NODE).
-  if ip netns list 2>/dev/null | grep -q '^k3sp[0-9]*-' || compgen -G '/sys/fs/cgroup/*/k3sp-*' >/dev/null; then
-    echo "FAIL: the cluster e2e left network namespaces or cgroups behind:" >&2
-    ip netns list 2>/dev/null | grep '^k3sp[0-9]*-' >&2 || true
-    compgen -G '/sys/fs/cgroup/*/k3sp-*' >&2 || true
-    rc=1
-  fi
-  for p in "${cluster_paths[@]}"; do
-    if [ -e "$p" ]; then
-      echo "FAIL: a test left $p behind (absent when make test started)" >&2
-      rc=1
-    fi
-  done
-  [ "$rc" -eq 0 ] && echo "== all tests passed ($(( $(date +%s) - t0 )) s)"
-  exit "$rc"
-}
+source scripts/lib.sh
 trap leaks EXIT
+require_root "make test"
 
-if [ "$(id -u)" != 0 ]; then
-  echo "*** WARNING: not root: the tests against a real containerd and the kubelet GC will SKIP ***" >&2
-fi
-
-# A cold run writes about 20 GiB (the cold .ci/run of 7ab989b: GOCACHE 16 GiB, GOMODCACHE 3.3 GiB,
-# the user cache 1.1 GiB) and builds in TMPDIR; a full disk shows up late, as "no space left on
-# device" in the middle of the k3s build. Say it first, with the figures.
+# A cold run writes about 20 GiB of Go caches (docs/testing.md) and builds in TMPDIR; a full disk
+# shows up late, as "no space left on device" in the middle of the k3s build. Say it first.
 free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR==2 {print int($4/1048576)}'; }
 for dir in "$(go env GOCACHE)" "$(go env GOMODCACHE)" "${TMPDIR:-/tmp}"; do
   mkdir -p "$dir"
@@ -100,57 +32,32 @@ kubelet_work=$(build/kubelet-workspace.sh)
 (cd test/e2e && GOWORK=$kubelet_work go vet -mod=vendor ./...)
 
 phase "module github.com/k3s-pinning/k3s-pinning"
-go test -count=1 -timeout 20m ./...
-phase "module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched)"
-(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -skip TestSoakShort ./...)
-
-phase "short soak: 40 seeded random faults against a real containerd (make soak runs the long one)"
-if ! soak=$(cd test/kubelet && GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -v -run TestSoakShort ./soak 2>&1); then
-  echo "$soak"
-  exit 1
-fi
-grep -E 'soak seed|SKIPPED|soak_test.go:[0-9]+:   [a-z-]+ +[0-9]+$|invariant violations' <<<"$soak" | sed 's/^ *soak_test.go:[0-9]*: //'
-
-
-# The containerd lines k3s ships besides the newest: each daemon built once from its module
-# (build/containerd-<line>) into the user cache, then the agent's real-containerd tests and the
-# short soak against it.
-for line in $(sed -n 's/^var Matrix = \[\]string{\(.*\)}$/\1/p' pkg/containerdtest/containerdtest.go | tr -d '",'); do
-  phase "containerd $line (the matrix): the agent's tests and the short soak"
-  K3S_PINNING_CONTAINERD=$line go test -count=1 -timeout 20m ./pkg/agent/images
-  if ! soak=$(cd test/kubelet && K3S_PINNING_CONTAINERD=$line GOWORK=$kubelet_work go test -mod=vendor -count=1 -timeout 20m -v -run TestSoakShort ./soak 2>&1); then
-    echo "$soak"
-    exit 1
-  fi
-  grep -E 'soak seed|SKIPPED|invariant violations' <<<"$soak" | sed 's/^ *soak_test.go:[0-9]*: //'
-done
+bash scripts/gotest.sh -count=1 -timeout 20m ./...
+phase "module test/kubelet (real kubelet image GC code, k8s.io/kubernetes $(cd test/kubelet && go list -m -f '{{.Version}}' k8s.io/kubernetes), patched), with the short soak: 40 seeded random faults against a real containerd (make soak runs the long one)"
+soak_log=$(mktemp)
+(cd test/kubelet && GOWORK=$kubelet_work GOTEST_LOG=$soak_log bash ../../scripts/gotest.sh -mod=vendor -count=1 -timeout 20m ./...)
+grep -E 'soak seed|soak_test.go:[0-9]+:   [a-z-]+ +[0-9]+$|invariant violations' "$soak_log" | sed 's/^ *soak_test.go:[0-9]*: //'
+rm -f "$soak_log"
 
 phase "fuzz targets, 5 s each (make fuzz runs them longer)"
 FUZZTIME=5s bash scripts/fuzz.sh
 
-phase "make k3s-patches-check (patches/k3s series well formed; make k3s fails fast offline)"
+phase "make k3s-patches-check (every patches/k3s series well formed and applying to every k3s tree; make k3s fails fast offline)"
 bash scripts/k3s-patches-check.sh
 
-# What is left is mostly waiting (kubelets and k3s nodes under disk pressure) and compiling (two
-# k3s lines, and the four platforms of the cross-build check and make release), so the compiles run
-# in the background, in one session of their own with two queues:
-#  - the k3s builds, one after the other: the newest line (beside make e2e, then alone), then
-#    release-1.34 at 75826e8af (k3s PR 14266 in it) while the newest line's node runs;
+# What is left is mostly waiting (kubelets and k3s nodes under disk pressure) and compiling (k3s,
+# and the four platforms of the cross-build check and make release), so the compiles run in the
+# background, in one session of their own with two queues:
+#  - the k3s build of the newest line, beside make e2e;
 #  - the cross-build check, then make release with its check, at nice 19 inside the session: they
-#    take the cores only when the k3s builds leave them (fetching modules, linking) and, mostly,
-#    beside release-1.34's node, the end of the run, when the cores were idle (seen: 64-99% idle).
+#    take the cores only when the k3s build leaves them (fetching modules, linking) and, mostly,
+#    beside the k3s nodes, whose work is waiting.
 # Not from the start of make test: a cold run that started the k3s builds there took longer (the
 # phases ran slower beside the compiles than the waits they filled). setsid makes the session, so a
 # failed run stops all of it (its go and compile processes too) before the leak check; each job's
 # exit code lands in $bg/JOB.rc, its output in $bg/JOB.log.
 k3s_newest=$(build/k3s-newest.sh)
-k3s_134=../shared/k3s-src/current/k3s-release-1.34-75826e8af.tar.gz
-k3s_sources=("$k3s_newest")
-if [ -f "$k3s_134" ]; then
-  k3s_sources+=("$k3s_134")
-else
-  echo "*** WARNING: $k3s_134 is not here: make k3s-e2e runs on the newest line only ***" >&2
-fi
+[ -n "$k3s_newest" ] || { echo "FAIL: no k3s archive in ../shared/k3s-src: make test builds and runs the newest k3s line" >&2; exit 1; }
 bg=$(mktemp -d)
 # Under the kernel's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled, on here)
 # sessions share the cores equally whatever their processes' nice: so the session itself gets nice
@@ -164,12 +71,8 @@ setsid bash -c 'k3s_nice=10
   run() { local rc=0; "${@:2}" > "$dir/$1.log" 2>&1 || rc=$?; echo "$rc" > "$dir/$1.rc"; }
   ( run cross nice -n 19 bash scripts/cross-check.sh
     run release nice -n 19 bash scripts/release-check.sh ) &
-  n=0
-  for source; do
-    n=$((n + 1))
-    run "k3s-$n" env K3S_SOURCE="$source" nice -n "$k3s_nice" bash scripts/build-k3s.sh
-  done
-  wait' background "$bg" "${k3s_sources[@]}" &
+  run k3s env K3S_SOURCE="$1" nice -n "$k3s_nice" bash scripts/build-k3s.sh
+  wait' background "$bg" "$k3s_newest" &
 builder=$!
 # Under set -e every command of an EXIT trap must succeed (a failing one would end the script with
 # its status and skip the leak check): the jobs have usually ended, and kill then fails.
@@ -211,34 +114,19 @@ bg_wait() {
     exit 1
   fi
 }
-# k3s_build_wait N SOURCE: waits for the Nth k3s build, prints its decisions (stand-ins) on stderr
-# and the directory of its binaries on stdout.
-k3s_build_wait() {
-  bg_wait "k3s-$1" "make k3s K3S_SOURCE=$2"
-  grep -E '^(== |stand-in:)' "$bg/k3s-$1.log" >&2 || true
-  dirname "$(tail -1 "$bg/k3s-$1.log")"
-}
 
 phase "make e2e (a real kubelet under real disk pressure; the background jobs have started)"
 bash scripts/e2e.sh
 
 phase "make k3s ($k3s_newest): waiting for its build"
-newest_bin=$(k3s_build_wait 1 "$k3s_newest")
+bg_wait k3s "make k3s K3S_SOURCE=$k3s_newest"
+grep -E '^(== |stand-in:)' "$bg/k3s.log" || true   # the decisions that are not k3s's own forks
+newest_bin=$(dirname "$(tail -1 "$bg/k3s.log")")
 bg_failed
 phase "make k3s-e2e ($k3s_newest: a real k3s node under real disk pressure, with k3s-pinning and stock)"
 K3S_E2E_BIN=$newest_bin bash scripts/k3s-e2e.sh
-# The cluster runs while release-1.34 compiles in the background, as master's node did.
 phase "make cluster-e2e ($k3s_newest: a server and two agents in namespaces of their own, with k3s's flannel)"
 K3S_E2E_BIN=$newest_bin bash scripts/cluster-e2e.sh
-if [ -f "$k3s_134" ]; then
-  phase "make k3s K3S_SOURCE=$k3s_134: waiting for its build"
-  bin_134=$(k3s_build_wait 2 "$k3s_134")
-  bg_failed
-  # Every scenario once, with k3s-pinning (the stock column, the wrapper, bad-flag and daemon tests
-  # ran on the newest line above; make k3s-e2e K3S_SOURCE=... runs both columns on this line).
-  phase "make k3s-e2e K3S_SOURCE=$k3s_134 K3S_E2E_RUN='^TestK3sNode\$/^with-k3s-pinning\$'"
-  K3S_E2E_BIN=$bin_134 K3S_E2E_RUN='^TestK3sNode$/^with-k3s-pinning$' bash scripts/k3s-e2e.sh
-fi
 
 phase "the packages k3s imports build for every platform k3s builds agents for (in the background since make e2e)"
 bg_wait cross "the cross-build check"
@@ -247,6 +135,5 @@ phase "make release, its artifacts checked from outside (binaries, .deb installe
 bg_wait release "make release's check"
 cat "$bg/release.log"
 
-# patches/kubernetes is compiled and run on kubernetes 1.36 and 1.34 inside the k3s above, and on 1.37 by
-# test/kubelet and make e2e; make patches-check checks all four lines (1.34-1.37) and is not in
-# make test, to keep a cold .ci/run within CI's time with the k3s build and make release in it.
+# The other lines (containerd 1.7 and 2.1, k3s release-1.34, kubernetes 1.34-1.37 with
+# patches/kubernetes) are make test-lines, for release checks: make test stays within CI's time.

@@ -13,6 +13,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -72,7 +73,7 @@ func BuildLine(l string) (Binaries, error) {
 }
 
 // MatrixEnv names the containerd line the tests run against: "" (build/containerd, the newest
-// this project pins), or one of Matrix, built from build/containerd-<line>. make test runs the
+// this project pins), or one of Matrix, built from build/containerd-<line>. make test-lines runs the
 // run/keep tests and the short soak once per line.
 const MatrixEnv = "K3S_PINNING_CONTAINERD"
 
@@ -252,7 +253,12 @@ func ProcessMemory(pid int) (Memory, error) {
 				return Memory{}, fmt.Errorf("/proc/%d/status: %q: %w", pid, line, err)
 			}
 			*fields[f[0]] = kib / 1024
+			delete(fields, f[0])
 		}
+	}
+	// A process that has exited (a zombie) has no memory lines: that is an error, never 0 MiB.
+	if len(fields) > 0 {
+		return Memory{}, fmt.Errorf("/proc/%d/status: no %s line (has the process exited?)", pid, strings.Join(slices.Sorted(maps.Keys(fields)), " "))
 	}
 	return m, nil
 }

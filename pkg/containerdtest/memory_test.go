@@ -1,8 +1,12 @@
 package containerdtest_test
 
 import (
+	"fmt"
 	"os"
+	"os/exec"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 )
@@ -19,5 +23,29 @@ func TestProcessMemory(t *testing.T) {
 	}
 	if _, err := containerdtest.ProcessMemory(-1); err == nil {
 		t.Errorf("no error for pid -1")
+	}
+	// An exited child not yet waited for (a zombie): its /proc/<pid>/status is there, without
+	// memory lines.
+	cmd := exec.Command("true")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", cmd.Process.Pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(stat), ") Z ") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("true (pid %d) not exited within 10 s: %s", cmd.Process.Pid, stat)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if m, err := containerdtest.ProcessMemory(cmd.Process.Pid); err == nil {
+		t.Errorf("an exited process read as %+v, want an error", m)
 	}
 }

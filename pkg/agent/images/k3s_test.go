@@ -80,13 +80,32 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	var unpinnedOld []string
 	evCtx, stopEvents := context.WithCancel(n.ctx)
 	defer stopEvents()
-	evs, _ := n.client.Subscribe(evCtx, `topic=="/images/update"`)
+	// containerd's client never closes evs: a failed subscription shows only on errs, and would
+	// otherwise leave the check below seeing nothing.
+	evs, errs := n.client.Subscribe(evCtx, `topic=="/images/update"`)
+	var subscriptionErr error
+	seenOld := 0 // updates of acc.example/old:1.0 seen: the adoption below makes at least one
 	go func() {
-		for env := range evs {
-			if ev, err := typeurl.UnmarshalAny(env.Event); err == nil {
-				if u, ok := ev.(*eventstypes.ImageUpdate); ok && u.Name == "acc.example/old:1.0" && !pinning.IsPinned(u.Labels) {
+		for {
+			select {
+			case err := <-errs:
+				if err != nil && evCtx.Err() == nil {
 					mu.Lock()
-					unpinnedOld = append(unpinnedOld, u.String())
+					subscriptionErr = err
+					mu.Unlock()
+				}
+				return
+			case env := <-evs:
+				ev, err := typeurl.UnmarshalAny(env.Event)
+				if err != nil {
+					continue
+				}
+				if u, ok := ev.(*eventstypes.ImageUpdate); ok && u.Name == "acc.example/old:1.0" {
+					mu.Lock()
+					seenOld++
+					if !pinning.IsPinned(u.Labels) {
+						unpinnedOld = append(unpinnedOld, u.String())
+					}
 					mu.Unlock()
 				}
 			}
@@ -164,7 +183,16 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	if !pinning.IsPinned(old) || old[pinning.LabelSource] != "old.tar" || old[pinning.LabelK3sPinned] != "" {
 		t.Errorf("acc.example/old:1.0 labels %v, want our pin for old.tar and k3s's mark gone", old)
 	}
+	// The adoption's label update is the last write to it; its event may still be on its way.
+	n.await(5*time.Second, "the adoption's update of acc.example/old:1.0 seen in containerd's events", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return seenOld > 0 || subscriptionErr != nil
+	})
 	mu.Lock()
+	if subscriptionErr != nil {
+		t.Errorf("containerd's event subscription failed, so no unpin could be seen: %v", subscriptionErr)
+	}
 	if len(unpinnedOld) > 0 {
 		t.Errorf("acc.example/old:1.0 was unpinned on the way: %v", unpinnedOld)
 	}

@@ -181,11 +181,17 @@ func TestRunUnpinsWhenArchiveLeaves(t *testing.T) {
 	n.setLabel("hand.example/mine:1.0", pinning.LabelPinned, pinning.PinnedValue) // the user's own pin
 	n.runAgent("", "acc.example/leaving:1.0", "acc.example/staying:1.0")
 	digestRef := ""
-	all, _ := n.client.ImageService().List(n.ctx)
+	all, err := n.client.ImageService().List(n.ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, img := range all {
 		if strings.HasPrefix(img.Name, "acc.example/leaving@") {
 			digestRef = img.Name
 		}
+	}
+	if digestRef == "" {
+		t.Fatal("no acc.example/leaving@sha256:... reference after the sync: the removal below would check nothing")
 	}
 
 	if err := os.Remove(filepath.Join(n.imagesDir, "leaving.tar")); err != nil {
