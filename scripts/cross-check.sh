@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The packages a patched k3s imports (pkg/agent/images, pkg/agent/cluster and what they import)
-# build for every platform k3s builds: linux/amd64, linux/arm64, linux/arm (v7) and windows/amd64
-# (k3s's Windows agents also call PreloadImages; there StartK3s says it is not supported and k3s
-# imports itself).
+# The package a patched k3s imports (pkg/k3spinning and what it imports) builds for every platform
+# k3s builds: linux/amd64, linux/arm64, linux/arm (v7) and windows/amd64 (k3s's Windows agents
+# also call PreloadImages; there k3spinning.Start says it is not supported and k3s imports itself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # -trimpath, CGO_ENABLED=0 and GOARM=7 as make release builds cmd/k3s-pinning (which imports all of
@@ -12,7 +11,7 @@ cd "$(dirname "$0")/.."
 # by the windows/amd64 build), and the compiler type-checks each platform (an int constant too big
 # for 32-bit ARM fails the build).
 for platform in linux/amd64 linux/arm64 linux/arm windows/amd64; do
-  GOOS=${platform%/*} GOARCH=${platform#*/} GOARM=7 CGO_ENABLED=0 go build -trimpath ./pkg/agent/images ./pkg/agent/cluster ./pkg/airgap ./pkg/pinning ./internal/... \
+  GOOS=${platform%/*} GOARCH=${platform#*/} GOARM=7 CGO_ENABLED=0 go build -trimpath ./pkg/k3spinning ./internal/... \
     || { echo "FAIL  the packages k3s imports do not build for $platform" >&2; exit 1; }
   echo "ok    $platform"
 done

@@ -67,7 +67,7 @@ for dir in patches/k3s/*/; do
     gofmt -e -l "$g" >"$tmp/fmt" 2>&1 || fail "$series: added file ${g##*/} does not parse: $(cat "$tmp/fmt")"
     [ ! -s "$tmp/fmt" ] || fail "$series: added file ${g##*/} is not gofmt-clean"
     for sym in $(grep -o 'k3spinning\.[A-Z][A-Za-z0-9]*' "$g" | sort -u | cut -d. -f2); do
-      go doc ./pkg/agent/images "$sym" >/dev/null 2>&1 || fail "$series: ${g##*/} uses k3spinning.$sym, which pkg/agent/images does not export"
+      go doc ./pkg/k3spinning "$sym" >/dev/null 2>&1 || fail "$series: ${g##*/} uses k3spinning.$sym, which pkg/k3spinning does not export"
     done
   done
   rm -rf "$tmp/new"

@@ -1,10 +1,14 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"strings"
+
+	"github.com/urfave/cli/v2"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
@@ -83,4 +87,31 @@ func findingsOf(s *images.Snapshot) []finding {
 			Fix: fmt.Sprintf("add it to --pinned-images, or label it: ctr -n k8s.io images label %s %s=%s", m.Ref, pinning.LabelPinned, pinning.PinnedValue)})
 	}
 	return out
+}
+
+// doctorCommand is `k3s-pinning doctor`: what leaves an image unprotected, with the fix.
+func doctorCommand(o *options, stdout io.Writer) *cli.Command {
+	return &cli.Command{
+		Name:  "doctor",
+		Usage: "find what leaves an image unprotected and say how to fix it; exit 1 when anything is found",
+		Flags: commonFlags(o),
+		Action: func(c *cli.Context) error {
+			return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
+				snap, err := a.Inspect(ctx)
+				if err != nil {
+					return err
+				}
+				printAgentView(stdout, snap.Agent)
+				findings := findingsOf(snap)
+				for _, f := range findings {
+					fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)
+				}
+				if len(findings) > 0 {
+					return cli.Exit(fmt.Sprintf("doctor: %d problem(s) found", len(findings)), exitProblem)
+				}
+				fmt.Fprintf(stdout, "ok: %d references, every wanted one present and pinned\n", len(snap.Refs))
+				return nil
+			})
+		},
+	}
 }

@@ -5,28 +5,19 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"os"
-	"os/signal"
-	"runtime/debug"
-	"slices"
 	"strings"
-	"syscall"
-	"text/tabwriter"
 	"time"
 
 	"github.com/containerd/containerd/v2/pkg/namespaces"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 	"github.com/urfave/cli/v2"
-	"golang.org/x/sync/errgroup"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/k3spinning"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -60,7 +51,7 @@ func commonFlags(o *options) []cli.Flag {
 		&cli.StringFlag{Name: "namespace", Value: pinning.DefaultNamespace, Usage: "containerd namespace (the CRI uses k8s.io)", Destination: &o.namespace},
 		&cli.StringFlag{Name: "state-file", Value: images.DefaultStateFile, Usage: "what each archive provided, kept across restarts (outside the images dir)", Destination: &o.stateFile},
 		&cli.StringSliceFlag{Name: "airgap-extra-registry", Usage: "also tag imported images under this registry, as k3s --airgap-extra-registry does", Destination: &o.extraRegistries},
-	}, images.PolicyFlags(&o.policy, "K3S")...)
+	}, k3spinning.PolicyFlags(&o.policy, "K3S")...)
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
@@ -96,197 +87,12 @@ func newApp(stdout io.Writer) *cli.App {
 			return cli.Exit(err.Error(), exitUsage)
 		},
 		Commands: []*cli.Command{
-			{
-				Name:  "sync",
-				Usage: "import what is not imported yet, pin everything wanted, print a summary; exit 0 only when every archive was processed",
-				Flags: commonFlags(o),
-				Action: func(c *cli.Context) error {
-					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
-						report := a.Sync(ctx)
-						printSync(stdout, report)
-						if err := report.Err(); err != nil {
-							return cli.Exit("sync: not every archive was processed (see above)", exitProblem)
-						}
-						return nil
-					})
-				},
-			},
-			{
-				Name:  "run",
-				Usage: "sync, then keep every wanted image present and pinned until SIGTERM: re-pin, restore from the archive, follow the images dir",
-				Flags: append(commonFlags(o),
-					&cli.DurationFlag{Name: "reconcile-interval", Value: images.DefaultReconcileInterval, Usage: "period of the full reconcile behind the events", Destination: &o.run.ReconcileInterval},
-					&cli.BoolFlag{Name: "restore", Value: true, Usage: "re-import a wanted image that was deleted, from its archive", Destination: &o.run.Restore},
-					&cli.StringFlag{Name: "metrics-address", Usage: "serve Prometheus /metrics here (a bare :port listens on 127.0.0.1)", Destination: &o.metricsAddress},
-					&cli.StringFlag{Name: "kubeconfig", EnvVars: []string{"K3S_PINNING_KUBECONFIG"}, Usage: "report Events and the " + string(cluster.ConditionType) + " condition on this node's Node object with this kubeconfig (its user may create events and patch nodes/status)", Destination: &o.kubeconfig},
-					&cli.BoolFlag{Name: "in-cluster", Usage: "report as --kubeconfig does, with the pod's service account (the DaemonSet); needs --node-name", Destination: &o.inCluster},
-					&cli.StringFlag{Name: "node-name", EnvVars: []string{"NODE_NAME"}, Usage: "the Node to report on (default: the host name in lower case, as k3s)", Destination: &o.nodeName},
-				),
-				Action: func(c *cli.Context) error {
-					if err := cluster.CheckWorkloadScope(o.policy.WorkloadScope()); err != nil {
-						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
-					}
-					reporter, err := reporterFor(o)
-					if err != nil {
-						return cli.Exit(fmt.Sprintf("run: %v", err), exitUsage)
-					}
-					if o.policy.PinnedWorkloadImages && reporter == nil {
-						return cli.Exit("run: --"+images.FlagPinnedWorkloadImages+" reads the cluster's workloads: give --kubeconfig or --in-cluster", exitUsage)
-					}
-					if reporter != nil {
-						o.reporter = reporter
-					}
-					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
-						ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
-						defer stop()
-						// The agent and the metrics server end together: a server that cannot
-						// listen stops the agent, which saves its state on the way out.
-						g, ctx := errgroup.WithContext(ctx)
-						interval := o.run.ReconcileInterval
-						if interval <= 0 {
-							interval = images.DefaultReconcileInterval // as Run takes it
-						}
-						stallAfter := images.StalledIntervals * interval
-						if o.metricsAddress != "" {
-							registry := prometheus.NewRegistry()
-							registry.MustRegister(a.Metrics())
-							g.Go(func() error {
-								h := health{started: time.Now(), reconciled: a.Reconciled, stallAfter: stallAfter}
-								if err := serveHTTP(ctx, o.metricsAddress, registry, h); err != nil {
-									return fmt.Errorf("metrics on %s: %w", o.metricsAddress, err)
-								}
-								return nil
-							})
-						}
-						logrus.Infof("k3s-pinning run: protecting %s on %s", o.imagesDir, o.address)
-						// A sync's lists of the store are garbage once it ends; the runtime would
-						// keep their pages for minutes (167 MiB resident at 10,000 references
-						// with 35 MiB of heap in use). A forced collection after each sync (at
-						// start, every reconcile interval, on resync) returns them now.
-						o.run.AfterSync = debug.FreeOSMemory
-						if os.Getenv("GOMEMLIMIT") == "" {
-							// Left alone, the runtime lets the heap grow to twice what a sync
-							// holds live before it collects (VmHWM 188 MiB at 10,000 references).
-							// A soft limit makes it collect sooner; above it, it collects at most
-							// half the CPU's time. GOMEMLIMIT, when set, is the operator's.
-							debug.SetMemoryLimit(runMemoryLimit)
-						}
-						if reporter != nil {
-							reporter.WatchReconciles(a.Reconciled, stallAfter)
-							g.Go(func() error { reporter.Run(ctx); return nil })
-						}
-						if o.policy.PinnedWorkloadImages {
-							g.Go(func() error { reporter.WatchWorkloads(ctx, o.policy.WorkloadScope(), a.SetWorkloadImages); return nil })
-						}
-						g.Go(func() error { return watchSocketReplaced(ctx, o.address, socketCheckInterval) })
-						g.Go(func() error { return a.Run(ctx, o.run) })
-						return g.Wait()
-					})
-				},
-			},
-			{
-				Name:  "status",
-				Usage: "one row per reference: ref, digest, source, pinned, wanted, present",
-				Flags: append(commonFlags(o), &cli.StringFlag{Name: "output", Aliases: []string{"o"}, Value: "table", Usage: "table or json", Destination: &o.output},
-					&cli.BoolFlag{Name: "cluster", Usage: "one row per node of the cluster, from the " + string(cluster.ConditionType) + " condition k3s-pinning keeps on it; exit 1 when any node is not protected", Destination: &o.cluster},
-					&cli.StringFlag{Name: "kubeconfig", Usage: "with --cluster: the kubeconfig (default $KUBECONFIG, else " + cluster.DefaultKubeconfig + ")", Destination: &o.kubeconfig}),
-				Action: func(c *cli.Context) error {
-					if o.output != "table" && o.output != "json" {
-						return cli.Exit(fmt.Sprintf("--output %q: must be table or json", o.output), exitUsage)
-					}
-					if o.cluster {
-						return statusCluster(c.Context, stdout, o)
-					}
-					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
-						snap, err := a.Inspect(ctx)
-						if err != nil {
-							return err
-						}
-						if o.output == "json" {
-							refs := snap.Refs
-							if refs == nil {
-								refs = []images.RefStatus{}
-							}
-							enc := json.NewEncoder(stdout)
-							enc.SetIndent("", "  ")
-							return enc.Encode(struct {
-								Images []images.RefStatus `json:"images"`
-							}{refs})
-						}
-						tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-						fmt.Fprintln(tw, "REF\tDIGEST\tSOURCE\tPINNED\tWANTED\tPRESENT")
-						for _, r := range snap.Refs {
-							source := dash(r.Source)
-							if r.Retained {
-								source += " (retained)"
-							}
-							fmt.Fprintf(tw, "%s\t%s\t%s\t%t\t%t\t%t\n", r.Ref, shortDigest(r.Digest), source, r.Pinned, r.Wanted, r.Present)
-						}
-						if err := tw.Flush(); err != nil {
-							return err
-						}
-						printAgentView(stdout, snap.Agent)
-						return nil
-					})
-				},
-			},
-			{
-				Name:  "doctor",
-				Usage: "find what leaves an image unprotected and say how to fix it; exit 1 when anything is found",
-				Flags: commonFlags(o),
-				Action: func(c *cli.Context) error {
-					return withAgent(c, o, func(ctx context.Context, a *images.Agent) error {
-						snap, err := a.Inspect(ctx)
-						if err != nil {
-							return err
-						}
-						printAgentView(stdout, snap.Agent)
-						findings := findingsOf(snap)
-						for _, f := range findings {
-							fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)
-						}
-						if len(findings) > 0 {
-							return cli.Exit(fmt.Sprintf("doctor: %d problem(s) found", len(findings)), exitProblem)
-						}
-						fmt.Fprintf(stdout, "ok: %d references, every wanted one present and pinned\n", len(snap.Refs))
-						return nil
-					})
-				},
-			},
-			{
-				Name:      "pin",
-				Usage:     "pin references by hand (recorded as source \"manual\")",
-				ArgsUsage: "REF...",
-				Flags:     commonFlags(o),
-				Action: func(c *cli.Context) error {
-					return eachRef(c, o, func(ctx context.Context, a *images.Agent, ref string) error {
-						res, err := a.PinManual(ctx, ref)
-						if err == nil {
-							fmt.Fprintf(stdout, "%s: %s\n", ref, res)
-						}
-						return err
-					})
-				},
-			},
-			{
-				Name:      "unpin",
-				Usage:     "remove pins k3s-pinning set; a pin set by anyone else is never removed",
-				ArgsUsage: "REF...",
-				Flags:     commonFlags(o),
-				Action: func(c *cli.Context) error {
-					return eachRef(c, o, func(ctx context.Context, a *images.Agent, ref string) error {
-						wantedBy, err := a.UnpinManual(ctx, ref)
-						if err != nil {
-							return err
-						}
-						fmt.Fprintf(stdout, "%s: unpinned\n", ref)
-						if wantedBy != "" {
-							fmt.Fprintf(stdout, "%s: note: %s still wants it; the next sync pins it again\n", ref, wantedBy)
-						}
-						return nil
-					})
-				},
-			},
+			syncCommand(o, stdout),
+			runCommand(o, stdout),
+			statusCommand(o, stdout),
+			doctorCommand(o, stdout),
+			pinCommand(o, stdout),
+			unpinCommand(o, stdout),
 		},
 	}
 }
@@ -337,63 +143,6 @@ func eachRef(c *cli.Context, o *options, fn func(context.Context, *images.Agent,
 	})
 }
 
-func printSync(w io.Writer, r *images.SyncReport) {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ARCHIVE\tFORMAT\tREFS\tIMPORTED\tPINNED NOW\tRESULT")
-	for _, a := range r.Archives {
-		pinnedNow, failed := 0, 0
-		for _, ref := range a.Refs {
-			if ref.Err != nil {
-				failed++
-			} else if ref.Result == pinning.Pinned {
-				pinnedNow++
-			}
-		}
-		result := "ok"
-		if a.Err != nil {
-			result = "FAILED: " + a.Err.Error()
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%t\t%d\t%s\n", a.Archive.Name(), dash(string(a.Format)), len(a.Refs)-failed, a.Imported, pinnedNow, result)
-	}
-	for _, err := range r.ScanErrors {
-		fmt.Fprintf(tw, "%s\t-\t0\tfalse\t0\tFAILED\n", err)
-	}
-	tw.Flush()
-	for _, a := range r.Archives {
-		for _, c := range a.Shadowed {
-			fmt.Fprintf(w, "conflict: %v\n", c)
-		}
-	}
-	if len(r.PolicyPinned) > 0 || r.PolicyErr != nil {
-		fmt.Fprintf(w, "policy: %d hand-imported reference(s) pinned now\n", len(r.PolicyPinned))
-	}
-	if r.PolicyErr != nil {
-		fmt.Fprintf(w, "policy: FAILED: %v\n", r.PolicyErr)
-	}
-}
-
-// printAgentView shows what the running agent (`run`) last recorded in the state file.
-func printAgentView(w io.Writer, v images.AgentView) {
-	if v.LastReconcile.IsZero() {
-		fmt.Fprintln(w, "agent: no reconcile recorded in the state file")
-		return
-	}
-	fmt.Fprintf(w, "agent: last reconcile %s; restores done %d, failed %d, pending %d, waiting for disk %d; archives failing %d\n",
-		v.LastReconcile.Format(time.RFC3339), v.RestoresDone, v.RestoresFailed, len(v.RestoresPending), len(v.WaitingForDisk), len(v.ArchiveErrors))
-	for _, name := range slices.Sorted(maps.Keys(v.ArchiveErrors)) {
-		fmt.Fprintf(w, "agent: archive %s: %s\n", name, v.ArchiveErrors[name])
-	}
-	if v.FetchesDone+v.FetchesFailed+len(v.FetchesPending) > 0 {
-		fmt.Fprintf(w, "agent: fetches done %d, failed %d, pending %d\n", v.FetchesDone, v.FetchesFailed, len(v.FetchesPending))
-	}
-	for _, ref := range slices.Sorted(maps.Keys(v.FetchErrors)) {
-		fmt.Fprintf(w, "agent: fetch %s: %s\n", ref, v.FetchErrors[ref])
-	}
-	if v.StateError != "" {
-		fmt.Fprintf(w, "agent: state file not written: %s\n", v.StateError)
-	}
-}
-
 // flagsFirst moves the flags of a subcommand ahead of its references, so that
 // `k3s-pinning pin REF --containerd-address S` works: urfave/cli stops reading flags at the first
 // argument. A flag of the subcommand takes the next token as its value unless it is a boolean
@@ -432,18 +181,4 @@ func flagsFirst(app *cli.App, args []string) []string {
 	}
 	out := append([]string{args[0], args[1]}, flags...)
 	return append(out, refs...)
-}
-
-func shortDigest(d string) string {
-	if len(d) > 19 {
-		return d[:19]
-	}
-	return dash(d)
-}
-
-func dash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
 }

@@ -17,11 +17,11 @@ func TestDependencies(t *testing.T) {
 }
 
 // The agent reports to the cluster through its Reporter interface only: the Kubernetes client
-// lives in pkg/agent/cluster, so that the agent (and a k3s that imports it) does not take it
-// from there, and the agent's tests need no API server.
+// lives in pkg/agent/cluster, so that the agent's tests need no API server. Its flags live in
+// pkg/k3spinning, the package k3s imports, which wires the two.
 func TestAgentHasNoKubernetesClient(t *testing.T) {
 	Forbid(t, "github.com/k3s-pinning/k3s-pinning/pkg/agent/images",
-		[]string{"k8s.io/client-go", "k8s.io/api", "k8s.io/apimachinery"}, nil)
+		[]string{"k8s.io/client-go", "k8s.io/api", "k8s.io/apimachinery", "github.com/urfave/cli"}, nil)
 }
 
 // The daemon reads and writes four API groups (pkg/agent/cluster's scheme), not client-go's

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/k3spinning"
 )
 
 // root is the repository, two levels above this package.
@@ -106,7 +106,7 @@ func TestPictureIsRenderedFromItsSource(t *testing.T) {
 // The k3s flags are in the README's table, each with its K3S_ variable.
 func TestK3sFlagsAreInTheReadme(t *testing.T) {
 	readme := read(t, filepath.Join(root, "README.md"))
-	flags := images.K3sFlags(&images.K3sSettings{}, "K3S")
+	flags := k3spinning.Flags(&k3spinning.Settings{}, "K3S")
 	var names []string
 	for _, f := range flags {
 		names = append(names, f.Names()[0])

@@ -3,6 +3,7 @@
 package containerdtest
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -213,7 +214,33 @@ func (d *Daemon) Freeze() (thaw func()) {
 	}
 	p := d.cmd.Process
 	p.Signal(syscall.SIGSTOP)
+	// SIGSTOP takes effect when each of containerd's threads next runs: on a busy machine a
+	// thread could still answer a call made right after the signal. Return once every thread
+	// is stopped (bounded: a process that never stops is the test's to notice).
+	deadline := time.Now().Add(5 * time.Second)
+	for !stopped(p.Pid) && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
 	return func() { p.Signal(syscall.SIGCONT) }
+}
+
+// stopped says whether every thread of process pid is stopped (state T in /proc).
+func stopped(pid int) bool {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		data, err := os.ReadFile(task)
+		if err != nil {
+			return false
+		}
+		end := bytes.LastIndexByte(data, ')')
+		if end < 0 || end+2 >= len(data) || data[end+2] != 'T' {
+			return false
+		}
+	}
+	return true
 }
 
 // Restart stops and starts the daemon with the same root and state.

@@ -333,7 +333,7 @@ func k3sBenchFloorOnce(t *testing.T, bin string, set k3sBenchSet, left *containe
 // k3sStartLog is what one start's log says about its way to the kubelet.
 type k3sStartLog struct {
 	imports int    // archives stock k3s's import read ("Importing images from ")
-	sync    string // k3s-pinning's start-up sync as StartK3s logs it ("... loaded and pinned in 12ms; ...")
+	sync    string // k3s-pinning's start-up sync as k3spinning.Start logs it ("... loaded and pinned in 12ms; ...")
 	// k3s called the kubelet between calledFrom and calledBy after the start: containerd is up and
 	// agent/images loaded (k3s-pinning's sync or k3s's own import ended; k3s logs "Running
 	// kubelet" then). running is when the kubelet runs ("Kubelet version"): it also waits for the

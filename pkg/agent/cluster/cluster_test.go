@@ -110,7 +110,7 @@ func TestStallWatchedWhileRunning(t *testing.T) {
 		t.Errorf("beat %s before WatchReconciles, want the heartbeat %s", got, heartbeat)
 	}
 	done := make(chan struct{})
-	go func() { // as StartK3s does, beside Run's loop reading the beat
+	go func() { // as k3spinning.Start does, beside Run's loop reading the beat
 		defer close(done)
 		n.WatchReconciles(func() time.Time { return time.Time{} }, time.Second)
 	}()

@@ -68,7 +68,7 @@ func (a *Agent) scheduleFetches(pending map[string]*pendingFetch) {
 		if !ok {
 			continue
 		}
-		pull := digestRef(ref, d)
+		pull := a.digestRefs.of(ref, d)
 		if pull == "" {
 			continue
 		}

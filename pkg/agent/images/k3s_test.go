@@ -21,6 +21,7 @@ import (
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/k3spinning"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -45,12 +46,12 @@ func (n *node) stockK3sImport(path string) {
 	}
 }
 
-// TestStartK3sTakesOverTheImagesDir is the entry point the k3s patch calls from PreloadImages, on
+// TestStartTakesOverTheImagesDir is the entry point the k3s patch calls from PreloadImages, on
 // a node where stock k3s ran before: everything k3s's import does is done (name@digest, the
 // --airgap-extra-registry tag and digest, distribution-source labels on the content, .txt lists
 // satisfied through the CRI, .cache.json left alone), each reference pinned from its creation;
 // k3s's own pins are adopted with no moment unpinned; then the agent keeps running.
-func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
+func TestStartTakesOverTheImagesDir(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/team/app:1.0"}})
 	writeArchive(t, n.imagesDir, archiveCase{file: "oci.tar.zst", oci: true, refs: []string{"acc.example/oci:1.0"}})
@@ -115,9 +116,9 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	ctx, cancel := context.WithCancel(n.ctx)
 	rec := &stallRecorder{recorder: &recorder{}}
 	workloads := make(chan func(agentimages.WorkloadImages), 1) // the agent's update, handed to the watcher
-	keeper, done, err := agentimages.StartK3s(ctx, agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir,
+	keeper, done, err := k3spinning.Start(ctx, k3spinning.Config{Address: n.daemon.Address, ImagesDir: n.imagesDir,
 		ExtraRegistries: []string{"mirror.local:5000"}, Reporter: rec,
-		K3sSettings: agentimages.K3sSettings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}}},
+		Settings: k3spinning.Settings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}}},
 		WatchWorkloads: func(ctx context.Context, scope agentimages.WorkloadScope, update func(agentimages.WorkloadImages)) {
 			if !slices.Equal(scope.Namespaces, []string{"tenant"}) {
 				t.Errorf("the workload watcher was given the namespaces %q, want [tenant]", scope.Namespaces)
@@ -134,7 +135,7 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 			t.Errorf("the agent stopped with %v", err)
 		}
 	})
-	// The node condition can say the agent is stuck: StartK3s tells the Reporter how.
+	// The node condition can say the agent is stuck: k3spinning.Start tells the Reporter how.
 	if rec.stallAfter != agentimages.StalledIntervals*agentimages.DefaultReconcileInterval || rec.reconciled == nil || rec.reconciled().IsZero() {
 		t.Errorf("the Reporter was not told how to see the agent stalled (bound %s; a reconcile seen: %v)", rec.stallAfter, rec.reconciled != nil && !rec.reconciled().IsZero())
 	}
@@ -237,7 +238,7 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	case update := <-workloads:
 		update(namedByWorkloads("acc.example/gone:1.0"))
 	case <-time.After(5 * time.Second):
-		t.Fatal("StartK3s did not start the workload watcher")
+		t.Fatal("k3spinning.Start did not start the workload watcher")
 	}
 	n.await(10*time.Second, "gone:1.0 pinned for its workload", func() bool { return n.pinnedLabel("acc.example/gone:1.0") })
 	if src := n.labels("acc.example/gone:1.0")[pinning.LabelSource]; src != pinning.SourceWorkload {
@@ -245,29 +246,29 @@ func TestStartK3sTakesOverTheImagesDir(t *testing.T) {
 	}
 }
 
-// TestStartK3sOptions: --disable-image-restore keeps pins but does not re-import; with
+// TestStartOptions: --disable-image-restore keeps pins but does not re-import; with
 // --disable-image-pinning the entry point refuses (the patch runs k3s's own import instead); a
 // malformed policy is an error naming the flag.
-func TestStartK3sOptions(t *testing.T) {
+func TestStartOptions(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})
-	cfg := agentimages.K3sConfig{Address: n.daemon.Address, ImagesDir: n.imagesDir, StateFile: filepath.Join(t.TempDir(), "state.json")}
+	cfg := k3spinning.Config{Address: n.daemon.Address, ImagesDir: n.imagesDir, StateFile: filepath.Join(t.TempDir(), "state.json")}
 
 	disabled := cfg
 	disabled.DisableImagePinning = true
-	if _, _, err := agentimages.StartK3s(n.ctx, disabled); err == nil || !strings.Contains(err.Error(), "--disable-image-pinning") {
+	if _, _, err := k3spinning.Start(n.ctx, disabled); err == nil || !strings.Contains(err.Error(), "--disable-image-pinning") {
 		t.Errorf("disabled: err %v, want one naming --disable-image-pinning", err)
 	}
 	bad := cfg
 	bad.PinnedImages = []string{"registry.local/[x"}
-	if _, _, err := agentimages.StartK3s(n.ctx, bad); err == nil || !strings.Contains(err.Error(), "--pinned-images") {
+	if _, _, err := k3spinning.Start(n.ctx, bad); err == nil || !strings.Contains(err.Error(), "--pinned-images") {
 		t.Errorf("malformed policy: err %v, want one naming --pinned-images", err)
 	}
 
 	ctx, cancel := context.WithCancel(n.ctx)
 	noRestore := cfg
 	noRestore.DisableImageRestore = true
-	_, done, err := agentimages.StartK3s(ctx, noRestore)
+	_, done, err := k3spinning.Start(ctx, noRestore)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,14 +2,18 @@ package images
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"sync"
 	"time"
 
+	"github.com/distribution/reference"
 	"github.com/sirupsen/logrus"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 )
 
 // The entries of .txt lists are pulled through the CRI from a registry, which may never answer.
@@ -149,4 +153,97 @@ func (l *listPulls) done(res listPullResult) (sync bool) {
 	logrus.Errorf("pull %s (a list's entry) failed, retrying in %s: %v", res.ref, p.backoff, res.err)
 	p.backoff = min(2*p.backoff, retryMax)
 	return sync
+}
+
+// criStatus is the CRI's status of ref. The CRI learns of images from containerd's events, so an
+// image a tarball created a moment ago may not be in its view yet: when containerd has ref, the
+// CRI is given a moment to catch up rather than asked to pull it (an air-gapped pull fails).
+func (im *importer) criStatus(ctx context.Context, ref string) (*runtimeapi.ImageStatusResponse, error) {
+	_, inStore := im.cd.Images.Get(ctx, ref)
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		status, err := im.cd.CRI.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+		if err != nil || status.GetImage() != nil || inStore != nil || time.Now().After(deadline) {
+			return status, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// pullList pulls through the CRI (so registry mirrors and credentials apply) each reference of a
+// .txt list that is not present, then pins it and the repo@digest reference the CRI created.
+func (im *importer) pullList(ctx context.Context, idx *airgap.Index) ([]RefResult, bool, error) {
+	if im.cd.CRI == nil {
+		return nil, false, &airgap.ArchiveError{Path: idx.Archive.Path, Err: errors.New("no CRI image service to pull the list's entries through")}
+	}
+	var (
+		refs   []RefResult
+		pulled bool
+		errs   []error
+		source = idx.Archive.Name()
+	)
+	for _, want := range idx.Images {
+		status, err := im.criStatus(ctx, want.Ref)
+		if err == nil && status.GetImage() == nil && im.pullLater != nil {
+			if err = im.pullLater(want.Ref); err == nil {
+				refs = append(refs, RefResult{Ref: want.Ref, Err: errPullPending})
+				continue
+			}
+		} else if err == nil && status.GetImage() == nil {
+			pctx, cancel := context.WithTimeout(ctx, listPullTimeout)
+			if _, err = im.cd.CRI.PullImage(pctx, &runtimeapi.PullImageRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}}); err == nil {
+				pulled = true
+				status, err = im.cd.CRI.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: want.Ref}})
+			} else if pctx.Err() != nil && ctx.Err() == nil {
+				err = fmt.Errorf("no answer within %s: %w", listPullTimeout, err)
+			}
+			cancel()
+		}
+		if err == nil && status.GetImage() == nil {
+			err = errors.New("not present after pull")
+		}
+		if err != nil {
+			err = &airgap.ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: fmt.Errorf("pull %s: %w", want.Ref, err)}
+			refs = append(refs, RefResult{Ref: want.Ref, Err: err})
+			errs = append(errs, err)
+			continue
+		}
+		names := []string{want.Ref}
+		repo := want.Ref
+		if named, err := reference.ParseNormalizedNamed(want.Ref); err == nil {
+			repo = named.Name()
+		}
+		for _, rd := range status.GetImage().GetRepoDigests() {
+			if named, err := reference.ParseNormalizedNamed(rd); err == nil && named.Name() == repo && rd != want.Ref {
+				names = append(names, rd)
+			}
+		}
+		for _, name := range names {
+			r := RefResult{Ref: name}
+			img, err := im.cd.Images.Get(ctx, name)
+			if err == nil {
+				r.Digest = img.Target.Digest.String()
+				r.Result, err = im.pinner.PinImage(ctx, img, source)
+			}
+			if err != nil {
+				r.Err = &airgap.ArchiveError{Path: idx.Archive.Path, Line: want.Line, Err: err}
+				errs = append(errs, r.Err)
+			}
+			refs = append(refs, r)
+		}
+	}
+	return refs, pulled, errors.Join(errs...)
+}
+
+// normalize is ref as containerd names it (nginx:1 is docker.io/library/nginx:1), or ref.
+func normalize(ref string) string {
+	named, err := reference.ParseDockerRef(ref)
+	if err != nil {
+		return ref
+	}
+	return named.String()
 }

@@ -3,9 +3,9 @@ package images
 import (
 	"fmt"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
-
 	"github.com/opencontainers/go-digest"
+
+	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 )
 
 // Conflict is a reference that two tarballs of the images dir provide with different images. The

@@ -42,6 +42,8 @@ type Plan struct {
 	// fetchable are the wanted references that can be fetched by a digest known for them: those
 	// the policy names by digest, a retained archive's, a workload's named by digest.
 	fetchable map[string]digest.Digest
+	// digestRefs answers the repo@digest names of the plan and of the keep-set made from it.
+	digestRefs *digestRefs
 }
 
 // planInput is what a plan is made of.
@@ -58,6 +60,8 @@ type planInput struct {
 	workloads       map[string]bool
 	// retained are the records of archives removed from the images dir that are kept.
 	retained map[string]*ArchiveState
+	// digestRefs is the agent's memo of repo@digest names; nil: the plan makes its own.
+	digestRefs *digestRefs
 }
 
 // newPlan decides, archive by archive in file-name order, what each provides: the names its
@@ -66,7 +70,10 @@ type planInput struct {
 // source, the same rule by which ownership decides which archive loads it.
 func newPlan(in planInput) *Plan {
 	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.policy, workloads: in.workloads,
-		retained: map[string]bool{}, fetchable: map[string]digest.Digest{}}
+		retained: map[string]bool{}, fetchable: map[string]digest.Digest{}, digestRefs: in.digestRefs}
+	if p.digestRefs == nil {
+		p.digestRefs = newDigestRefs()
+	}
 	names := slices.Sorted(slices.Values(in.present))
 	claims := map[string]*airgap.Index{}
 	var ordered []*airgap.Index
@@ -87,7 +94,7 @@ func newPlan(in planInput) *Plan {
 		if idx := claims[name]; idx != nil {
 			// A claim another archive overrules is not this archive's to provide.
 			for _, img := range p.owners.loadable(idx).Images {
-				for _, r := range References(img.Ref, img.Digest, in.extraRegistries) {
+				for _, r := range p.digestRefs.references(img.Ref, img.Digest, in.extraRegistries) {
 					p.provide(r, name, img.Digest)
 				}
 			}
@@ -284,7 +291,7 @@ func (k *Keeper) publish(plan *Plan, listed imageRecords) {
 	}
 	for ref := range plan.refs {
 		keep(ref)
-		keep(digestRef(ref, plan.digests[ref]))
+		keep(plan.digestRefs.of(ref, plan.digests[ref]))
 	}
 	targets := map[digest.Digest]bool{}
 	for img := range listed.images() {
@@ -293,7 +300,7 @@ func (k *Keeper) publish(plan *Plan, listed imageRecords) {
 		}
 		if _, wanted := plan.Source(img); wanted {
 			keep(img.Name)
-			keep(digestRef(img.Name, img.Target.Digest))
+			keep(plan.digestRefs.of(img.Name, img.Target.Digest))
 			targets[img.Target.Digest] = true
 		}
 	}

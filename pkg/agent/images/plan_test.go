@@ -233,7 +233,7 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 		want *byte
 	}{
 		{app.Ref, unsafe.StringData(planRef)},
-		{digestName, unsafe.StringData(digestRef(planRef, plan.digests[planRef]))},
+		{digestName, unsafe.StringData(plan.digestRefs.of(planRef, plan.digests[planRef]))},
 		{"registry.local/tool:9", unsafe.StringData(listed[2].Name)},
 	} {
 		got, ok := held[c.name]

@@ -24,7 +24,7 @@ type Reporter interface {
 
 // ReconcileWatcher is a Reporter that can also say when the agent is stuck: told how to read when
 // the agent's last reconcile ended, it reports the agent stalled once none has for stallAfter.
-// StartK3s tells a Reporter that implements it (pkg/agent/cluster's Node does).
+// k3spinning.Start tells a Reporter that implements it (pkg/agent/cluster's Node does).
 type ReconcileWatcher interface {
 	WatchReconciles(reconciled func() time.Time, stallAfter time.Duration)
 }
