@@ -2,8 +2,7 @@
 # make bench's first step: what its later rows need, checked before its first row is taken. The
 # standalone half takes about half an hour before the k3s section boots real k3s nodes (runc,
 # mkfs.ext4, losetup) and the fleet row a cluster in network namespaces (ip, nsenter): on a fresh
-# machine, without runc, make bench failed there over an hour in (started 06:28, the failure seen
-# at 07:42, 2026-12-07).
+# machine, a missing tool would otherwise fail make bench over an hour in.
 set -euo pipefail
 [ "$(id -u)" = 0 ] || { echo "make bench needs root: it runs private containerds and k3s nodes" >&2; exit 1; }
 missing=()

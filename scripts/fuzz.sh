@@ -3,16 +3,16 @@
 # FUZZTIME, printing its executions. A crash fails the run, and go test writes the input that
 # crashed under the package's testdata/fuzz, to be committed with the fix. Inputs are not
 # minimized (-fuzzminimizetime 0x): the engine minimizes every input that finds new coverage
-# before it reports, and FuzzRead's tar inputs (16 KiB) found some every moment, so a 5 s run
-# spent most of its time minimizing and counted 114 executions (make test, 2026-12-03); without
-# it, one worker ran 53,831 in 8 s and kept 298 new inputs. A crashing input is written as it is.
+# before it reports, and FuzzRead's tar inputs found some every moment, so a short run spent most
+# of its time minimizing and ran a few hundred inputs instead of tens of thousands. A crashing
+# input is written as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime=${FUZZTIME:-60s}
 for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy ./pkg/agent/images:FuzzQuickDigestRef; do
   pkg=${target%%:*} name=${target##*:}
   # The fuzzing engine itself sometimes ends a short run with a bare "context deadline exceeded"
-  # and no failing input (seen once in four 5 s runs on 2026-12-02): that run is tried again, once.
+  # and no failing input (now and then in 5 s runs): that run is tried again, once.
   # A crash writes its input under testdata/fuzz and always fails.
   for try in 1 2; do
     if out=$(go test -run '^$' -fuzz "^$name\$" -fuzztime "$fuzztime" -fuzzminimizetime 0x "$pkg" 2>&1); then break; fi

@@ -55,12 +55,9 @@ func commonFlags(o *options) []cli.Flag {
 }
 
 // runMemoryLimit is `run`'s soft memory limit (runtime/debug.SetMemoryLimit) unless GOMEMLIMIT
-// is set. It bounds the Go runtime's memory, not the binary's pages (another 23-25 MiB resident,
-// built as released). A first sync at 10,000 references holds at most 28 MB live (2026-12-06,
-// runtime/metrics with the heap profiler on, its own records counted: the store's list, the loads'
-// reports, the content walk, the state's records); limits tried on that sync, VmHWM: 48 MiB 67.7,
-// 44 MiB 63.7, 40 MiB 61.3-63.5, 36 MiB 60.7-62.7 with the sync 1.3-1.4 s, 32 MiB 59.7 (1.5 s);
-// 75.4-75.8 MiB at the 56 MiB this limit was before.
+// is set. It bounds the Go runtime's memory, not the binary's pages. Derived from a first sync at
+// 10,000 references, which holds at most 28 MB live: of the limits tried on it, 36 MiB gave the
+// lowest peak before the sync itself slowed (the measurements are in this line's git history).
 const runMemoryLimit = 36 << 20
 
 func main() {

@@ -71,15 +71,15 @@ func runCommand(o *options, stdout io.Writer) *cli.Command {
 				}
 				logrus.Infof("k3s-pinning run: protecting %s on %s", o.imagesDir, o.address)
 				// A sync's lists of the store are garbage once it ends; the runtime would
-				// keep their pages for minutes (167 MiB resident at 10,000 references
-				// with 35 MiB of heap in use). A forced collection after each sync (at
-				// start, every reconcile interval, on resync) returns them now.
+				// keep their pages for minutes, several times the heap in use. A forced
+				// collection after each sync (at start, every reconcile interval, on
+				// resync) returns them now.
 				o.run.AfterSync = debug.FreeOSMemory
 				if os.Getenv("GOMEMLIMIT") == "" {
 					// Left alone, the runtime lets the heap grow to twice what a sync
-					// holds live before it collects (VmHWM 188 MiB at 10,000 references).
-					// A soft limit makes it collect sooner; above it, it collects at most
-					// half the CPU's time. GOMEMLIMIT, when set, is the operator's.
+					// holds live before it collects. A soft limit makes it collect sooner;
+					// above it, it collects at most half the CPU's time. GOMEMLIMIT, when
+					// set, is the operator's.
 					debug.SetMemoryLimit(runMemoryLimit)
 				}
 				if reporter != nil {

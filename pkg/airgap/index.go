@@ -408,8 +408,8 @@ func readTar(a Archive, r io.Reader) (*Index, error) {
 			continue // the next header skips it: read (and hashed) through, or sought past
 		}
 		// Only JSON is kept: what an entry begins with decides, and the rest of one that is not
-		// (a layer) is skipped, not read into memory (reading each of 1,000 archives of ten small
-		// images whole was 115 MB of garbage, a quarter of the 452 MB a first sync allocated).
+		// (a layer) is skipped, not read into memory (reading every entry whole was a quarter of
+		// what a first sync allocated).
 		n, err := io.ReadFull(tr, head[:min(hdr.Size, int64(len(head)))])
 		if err != nil {
 			return nil, fmt.Errorf("reading %s: %w", name, err)

@@ -457,7 +457,7 @@ func (n *k3sNode) loaded(refs []string) bool {
 // awaitReady waits until the node is Ready by a status the kubelet of the start at start posted
 // (the Node keeps the previous run's Ready until then), and returns the time since start. It reads
 // the Node from the API server every 50 ms: polling kubectl (a process per look) gave steps of
-// about 0.4 s, coarser than the warm restarts' differences (docs/costs.md, 2026-12-07).
+// about 0.4 s, coarser than the warm restarts' differences.
 func (n *k3sNode) awaitReady(start time.Time) time.Duration {
 	n.t.Helper()
 	api := n.apiClient()
@@ -557,10 +557,9 @@ func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot, floors []k3sBench
 	}
 	// The warm restart with .cache.json split by its log (k3sStartLog), best of each side for each
 	// part. k3s-pinning's sync ends before k3s calls the kubelet, and the kubelet then waits for
-	// k3s's poll to find the API server ready: on a server node 2.4-3.0 s later at each of 26 warm
-	// restarts with k3s-pinning (1 GiB set, 2026-12-07 afternoon), so the sync is on the way to
-	// Ready only where the API server is ready first (an agent node whose server is up: not
-	// measured).
+	// k3s's poll to find the API server ready, which on a server node comes seconds after our
+	// sync, so the sync is on the way to Ready only where the API server is ready first (an agent
+	// node whose server is up: not measured).
 	split := []struct {
 		what string
 		f    func(k3sBenchBoot) time.Duration
@@ -597,7 +596,7 @@ func k3sBenchRows(set k3sBenchSet, with, stock []k3sBenchBoot, floors []k3sBench
 	// each), ours against stock k3s's, and a floor for any load through containerd's API that
 	// leaves k3s's records: a blob's ingest opened and committed (two), an image record created
 	// with its labels (one), nothing labelled after, no lease (a name created without the CRI's
-	// "managed" label costs the CRI's update besides: stock k3s's, and ours before 2026-12-06).
+	// "managed" label costs the CRI's update besides, as stock k3s's do).
 	tx := func(b k3sBenchBoot) float64 { return float64(b.writes) }
 	wt, st := least(with, tx), least(stock, tx)
 	txFloor := least(append(slices.Clone(with), stock...), func(b k3sBenchBoot) float64 { return float64(b.floor) })

@@ -66,9 +66,9 @@ func parseDigestRef(ref string, d digest.Digest) string {
 	return grammarDigestRef(ref, d)
 }
 
-// grammarDigestRef is digestRef's answer from the reference grammar (regular expressions: a
-// warm restart asks it of every wanted name and every name the store lists, and parsing them
-// this way was a quarter of the agent's CPU in a profile of 2026-12-07).
+// grammarDigestRef is digestRef's answer from the reference grammar. Its regular expressions are
+// slow for what a warm restart asks of every wanted name and every name the store lists:
+// quickDigestRef answers the usual form first.
 func grammarDigestRef(ref string, d digest.Digest) string {
 	named, err := reference.ParseNormalizedNamed(ref)
 	if err != nil || d == "" {

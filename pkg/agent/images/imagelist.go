@@ -28,10 +28,10 @@ import (
 
 // streamedImages is containerd's image store on a daemon (Services) whose List decodes
 // containerd's answer one image at a time. containerd's Images.List has no pages: its answer holds
-// every image record of the namespace (30,000 at 10,000 references: each tag, its repo@digest and
-// the CRI's sha256:<image ID>), and the client decodes all of it at once, every record with a
-// labels map of its own, while gRPC still holds the message: a heap profile of a sync at 10,000
-// references had that answer as 67 of the 80 MiB in use at its peak. Decoded one record at a time,
+// every image record of the namespace (three per reference: each tag, its repo@digest and the
+// CRI's sha256:<image ID>), and the client decodes all of it at once, every record with a labels
+// map of its own, while gRPC still holds the message: most of a large sync's peak memory.
+// Decoded one record at a time,
 // the records that carry the same labels share one map, and those with the same target one
 // descriptor: what a listed image's labels hold is shared, to be read and never written.
 type streamedImages struct {
@@ -82,11 +82,10 @@ func listRecords(ctx context.Context, store images.Store) (imageRecords, error) 
 	return recordsOf(all), nil
 }
 
-// listedImage is an image record as the agent keeps a list of the store: what it reads of one.
-// 32 bytes, against images.Image's 192 (its target inline, its two times), and the target
-// without its annotations: containerd's import annotates each image's with its name, a map per
-// image (a list of 30,000 records held 10.6 MB with them, 5.9 without). At 10,000 references
-// the store lists 30,000 records, and a sync holds them from its start to its end.
+// listedImage is an image record as the agent keeps a list of the store: what it reads of one, a
+// sixth of an images.Image (no target inline, no times), and the target without its annotations:
+// containerd's import annotates each image's with its name, a map per image. A sync holds three
+// records per reference from its start to its end.
 type listedImage struct {
 	Name   string
 	Labels map[string]string // shared by the records with the same labels: read, never written
@@ -103,7 +102,7 @@ func (r listedImage) image() images.Image {
 }
 
 // imageRecords is a list of the store, sorted by name: a name is found by a binary search, not a
-// map beside the list (1.7 MB at 30,000 records).
+// map beside the list, which would cost as much again as the names.
 type imageRecords []listedImage
 
 // recordsOf is all as records (each target the one of all's image).
@@ -162,8 +161,8 @@ type imageList struct {
 	created, updated []time.Time
 	labels           map[string]map[string]string // each distinct set of labels, by labelsKey
 	// targets are the distinct targets by digest: the last decoded with that digest, which the
-	// next with the same shares. No key but the digest: keyed by digest and annotations, this map
-	// was 5.4 MB of a first sync's 47 MB at its peak (10,000 targets, 30,000 records).
+	// next with the same shares. No key but the digest: keyed by digest and annotations too, this
+	// map was a tenth of a first sync's peak.
 	targets map[digest.Digest]*ocispec.Descriptor
 	// mediaTypes are the targets' media types, each string once.
 	mediaTypes map[string]string

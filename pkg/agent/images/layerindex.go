@@ -50,8 +50,7 @@ var writerStalled = 10 * time.Second
 // when that transaction fails to commit (a full disk: "write meta.db: no space left on device")
 // it returns the error and keeps the lock until it restarts. Every later writer of the ref is then
 // told it is locked, and containerd's client (content.OpenWriter) waits for as long as its context
-// lasts: a sync that never ends once the disk has room again (seen on containerd 1.7.35; 2.2's
-// code is the same). A locked ref whose ingest containerd has no record of, or whose data has not
+// lasts: a sync that never ends once the disk has room again (containerd 1.7 and 2.2 alike). A locked ref whose ingest containerd has no record of, or whose data has not
 // grown for writerStalled, is written under a ref of its own; a writer at work is waited for, as
 // the client does.
 func openWriter(ctx context.Context, cs content.Store, ref string, opts []content.WriterOpt) (content.Writer, error) {

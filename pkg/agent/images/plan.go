@@ -282,8 +282,7 @@ func (k *Keeper) publish(plan *Plan, listed imageRecords) {
 	set := &keepSet{plan: plan, names: map[string]bool{}, ids: map[string]bool{}}
 	// A name already in the set is not stored again: storing an equal string key replaces the
 	// key, and the set would then hold the list's copy of each name (decoded from containerd's
-	// answer, garbage once the sync ends) beside the plan's own (a daemon at rest at 10,000
-	// references: 1.1 MiB less live heap, of 15.6).
+	// answer, garbage once the sync ends) beside the plan's own, for as long as the daemon rests.
 	keep := func(name string) {
 		if name != "" && !set.names[name] {
 			set.names[name] = true

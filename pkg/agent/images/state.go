@@ -168,8 +168,8 @@ func (s *State) write(path string) error {
 }
 
 // encode writes s to w as json.MarshalIndent(s, "", "  ") would, one archive at a time: the
-// whole document at once was the highest point of a first sync's memory (13.5 MiB of buffers at
-// 10,000 references, for a 6 MiB file). halfway is called once the archives are written.
+// whole document at once was the highest point of a first sync's memory (twice the file's size
+// in buffers). halfway is called once the archives are written.
 func (s *State) encode(w io.Writer, halfway func()) error {
 	bw := bufio.NewWriter(w)
 	fmt.Fprintf(bw, "{\n  \"version\": %d,\n  \"archives\": ", s.Version)

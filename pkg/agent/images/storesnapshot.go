@@ -131,8 +131,8 @@ func (im *importer) listImages(ctx context.Context, snap *storeSnapshot) error {
 }
 
 // listFirst lists the image store into a listed snapshot before the sync indexes the images dir,
-// not at its first load: containerd's answer, which gRPC holds whole while it is decoded (12 MiB
-// at 10,000 references), and the decoding's garbage are then gone before the archives' indexes
+// not at its first load: containerd's answer, which gRPC holds whole while it is decoded, and the
+// decoding's garbage are then gone before the archives' indexes
 // are made, rather than beside them at the sync's peak. A failure is the loads' to report: each
 // lists again when it first asks. With only .txt lists in the dir (their pulls write through the
 // CRI), the sync lists the store again after them: one list more than before this was moved.
@@ -199,8 +199,8 @@ func (im *importer) walkContent(ctx context.Context, snap *storeSnapshot) error 
 }
 
 // blobSet says, by digest, whether containerd holds a blob. A sha256 digest is kept as its 32
-// bytes, not its string as containerd's answer decoded it (71 bytes): at 10,000 references a
-// sync's walk of the content store held 4.1 MB, map and strings, through the sync's loads.
+// bytes, not its string as containerd's answer decoded it (twice the size): a sync holds a
+// large store's walk through all its loads.
 type blobSet struct {
 	sha256 map[[sha256.Size]byte]bool
 	other  map[digest.Digest]bool // any other digest, as it is

@@ -375,8 +375,7 @@ func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 		// Never recorded: no digest to compare with, and no need of one to load it (a touched
 		// archive is read again anyway, and its images found present). Its index alone is read,
 		// of an uncompressed archive only the metadata: a cold load read and hashed each archive
-		// whole before importing it, which reads it again (for the 1 GiB set, a gigabyte read and
-		// hashed for nothing).
+		// whole before importing it, which reads it again: every byte read and hashed twice.
 		idx, err := airgap.ReadIndex(ar, airgap.FileOpener(ar))
 		return idx, "", err
 	}

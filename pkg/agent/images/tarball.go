@@ -74,7 +74,7 @@ func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx 
 // layout left out, the layout's index.json returned), except that a blob whose name gives its
 // digest (blobs/sha256/<encoded>) is written as that digest: containerd hashes every blob it
 // stores and refuses to commit one whose bytes are not its digest, and ImportIndex hashed each
-// blob again on this side (of a 1 GiB load, a second sha256 of the gigabyte on the node's CPUs).
+// blob again on this side (a second sha256 of every byte loaded, on the node's CPUs).
 // A blob the store holds is not read at all: the tar reader seeks past it in an uncompressed
 // archive.
 func importLayout(ctx context.Context, store content.Ingester, r io.Reader) (ocispec.Descriptor, error) {

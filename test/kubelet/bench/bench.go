@@ -498,8 +498,7 @@ func (b *bench) gcCycle(ctx context.Context, s *refSet, total, rounds int) error
 	conn := c.Conn().(*grpc.ClientConn)
 	cri := runtimeapi.NewImageServiceClient(conn)
 	// The CRI labels each created image and makes its ID record from containerd's events, two
-	// writes each (80,000 for 40,000 images): once on this VM it listed 49,999 of 50,000 after 5
-	// minutes (2026-12-06).
+	// writes each, behind the creates: it can take minutes to list every one.
 	for deadline := time.Now().Add(10 * time.Minute); ; {
 		resp, err := cri.ListImages(ctx, &runtimeapi.ListImagesRequest{})
 		if err == nil && len(resp.Images) >= total {
@@ -614,8 +613,7 @@ func (b *bench) agentProcess(ctx context.Context, s *refSet, idle bool) error {
 		}
 		// Built as make release builds it (scripts/release.sh: CGO off, -trimpath, -s -w): the
 		// binary a node runs. Its pages are part of the resident size: a default build links
-		// libc and mapped 2.2 MiB more of them at the same work (23.0-23.2 against 25.2-25.4 MiB,
-		// idle, 2026-12-06).
+		// libc and maps more of them at the same work.
 		build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", "-s -w", "-o", bin, "./cmd/k3s-pinning")
 		build.Dir, build.Env = root, append(os.Environ(), "GOWORK=off", "GOFLAGS=", "CGO_ENABLED=0")
 		if out, err := build.CombinedOutput(); err != nil {
