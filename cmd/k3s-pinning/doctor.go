@@ -24,7 +24,7 @@ type finding struct {
 
 // findingsOf are the problems in the snapshot, as doctor reports them, each with the command or
 // change that fixes it.
-func findingsOf(s *images.Snapshot) []finding {
+func findingsOf(s *images.Inspection) []finding {
 	var out []finding
 	for _, err := range s.ArchiveErrors {
 		subject := err.Error()
@@ -101,7 +101,7 @@ func doctorCommand(o *options, stdout io.Writer) *cli.Command {
 				if err != nil {
 					return err
 				}
-				printAgentView(stdout, snap.Agent)
+				printRunStatus(stdout, snap.Agent)
 				findings := findingsOf(snap)
 				for _, f := range findings {
 					fmt.Fprintf(stdout, "PROBLEM %s: %s\n    fix: %s\n", f.Subject, f.Problem, f.Fix)

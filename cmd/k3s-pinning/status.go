@@ -60,15 +60,15 @@ func statusCommand(o *options, stdout io.Writer) *cli.Command {
 				if err := tw.Flush(); err != nil {
 					return err
 				}
-				printAgentView(stdout, snap.Agent)
+				printRunStatus(stdout, snap.Agent)
 				return nil
 			})
 		},
 	}
 }
 
-// printAgentView shows what the running agent (`run`) last recorded in the state file.
-func printAgentView(w io.Writer, v images.AgentView) {
+// printRunStatus shows what the running agent (`run`) last recorded in the state file.
+func printRunStatus(w io.Writer, v images.RunStatus) {
 	if v.LastReconcile.IsZero() {
 		fmt.Fprintln(w, "agent: no reconcile recorded in the state file")
 		return

@@ -148,7 +148,7 @@ type Agent struct {
 	stateUnreadable error
 	stateSeen       os.FileInfo
 	// savedWork is what the last save wrote of the agent's waiting work (saveViewChange).
-	savedWork AgentView
+	savedWork RunStatus
 	// pulls are the list entries Run pulls in the background (nil outside Run).
 	pulls *listPulls
 	// reconciled is when this process's last full sync ended (unix nanoseconds; 0: none yet),
@@ -234,7 +234,7 @@ func (a *Agent) SetWorkloadImages(imgs WorkloadImages) {
 func (a *Agent) replan() { a.plan = a.newPlan(a.present, a.read) }
 
 // View is the agent's own view (last reconcile, restores, failures).
-func (a *Agent) View() AgentView {
+func (a *Agent) View() RunStatus {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.state.Agent

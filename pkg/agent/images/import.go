@@ -55,7 +55,7 @@ type RefResult struct {
 // of its images is missing or points elsewhere; otherwise its references are only verified and
 // pinned. A list pulls, through the CRI, what is not present. imported says whether content was
 // imported or pulled.
-func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeSnapshot, owner func(ref string) string) (refs []RefResult, imported bool, err error) {
+func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeCache, owner func(ref string) string) (refs []RefResult, imported bool, err error) {
 	// containerd's content client leaves the stream of each blob it writes open after the commit
 	// (its Close only half-closes it), and gRPC keeps a goroutine and the stream's buffers for
 	// every such stream until its context ends. Under k3s that context is the agent's, which never

@@ -25,15 +25,15 @@ type RefStatus struct {
 	Retained bool `json:"retained,omitempty"`
 }
 
-// Snapshot is the node as the agent sees it: every reference present or wanted, the archives
+// Inspection is the node as the agent sees it: every reference present or wanted, the archives
 // that failed to read, and pin labels the CRI ignores.
-type Snapshot struct {
+type Inspection struct {
 	Refs          []RefStatus
 	ArchiveErrors []error
 	Misspelled    []Misspelling
 	Conflicts     []Conflict // references two archives provide with different images
 	// Agent is the view of the running agent, from the state file (zero when none ran).
-	Agent AgentView
+	Agent RunStatus
 	// StateUnreadable is why the state file cannot be read, while it is where it was; the agent
 	// sets it aside at its next save. StateSetAside are the unreadable state files kept aside.
 	StateUnreadable string
@@ -47,7 +47,7 @@ type Misspelling struct {
 
 // Inspect reads the images dir and containerd and returns what is wanted, present and pinned. It
 // changes nothing.
-func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
+func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	sv := a.survey()
@@ -65,7 +65,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Snapshot, error) {
 		in.retained = retained.Retained
 	}
 	plan := newPlan(in)
-	snap := &Snapshot{ArchiveErrors: sv.scanErrs, Conflicts: plan.Conflicts(), Agent: a.state.Agent}
+	snap := &Inspection{ArchiveErrors: sv.scanErrs, Conflicts: plan.Conflicts(), Agent: a.state.Agent}
 	if a.stateUnreadable != nil {
 		snap.StateUnreadable = a.stateUnreadable.Error()
 	}

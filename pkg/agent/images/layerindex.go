@@ -25,7 +25,7 @@ import (
 type layerIndexStore struct {
 	content.Store
 	im     *importer
-	snap   *storeSnapshot
+	snap   *storeCache
 	writes *archiveImport // what the import of one archive writes
 }
 

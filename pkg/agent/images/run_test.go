@@ -147,7 +147,7 @@ func TestRunRestoresDeletedImageWithSameDigest(t *testing.T) {
 		t.Errorf("after restore: CRI present=%t pinned=%t", present, pinned)
 	}
 	// What status and doctor read, in other processes: the restore done, nothing left pending.
-	var view agentimages.AgentView
+	var view agentimages.RunStatus
 	deadline := time.Now().Add(3 * time.Second)
 	for {
 		st, err := agentimages.LoadState(stateFile)

@@ -34,7 +34,7 @@ type State struct {
 	// Retained are archives removed from the images dir whose references stay pinned
 	// (--retain-removed-archive-images), by file name, as last loaded, until `unpin`.
 	Retained map[string]*ArchiveState `json:"retained,omitempty"`
-	Agent    AgentView                `json:"agent"`
+	Agent    RunStatus                `json:"agent"`
 }
 
 // ArchiveState is one archive as last loaded.
@@ -56,9 +56,9 @@ type ArchiveState struct {
 	Incomplete bool `json:"incomplete,omitempty"`
 }
 
-// AgentView is the running agent's view, written with the state so that `status` and `doctor`,
-// run as other processes, can show it.
-type AgentView struct {
+// RunStatus is what the running agent is doing (the last reconcile, restores, fetches, errors),
+// written with the state so that `status` and `doctor`, run as other processes, can show it.
+type RunStatus struct {
 	LastReconcile   time.Time         `json:"lastReconcile"`
 	RestoresDone    int               `json:"restoresDone"`
 	RestoresFailed  int               `json:"restoresFailed"`
@@ -329,7 +329,7 @@ func (a *Agent) saveViewChange() {
 }
 
 // workOf is the part of view that says what waits and why, empty parts as nil.
-func workOf(view AgentView) AgentView {
+func workOf(view RunStatus) RunStatus {
 	orNil := func(s []string) []string {
 		if len(s) == 0 {
 			return nil
@@ -342,6 +342,6 @@ func workOf(view AgentView) AgentView {
 		}
 		return maps.Clone(m)
 	}
-	return AgentView{RestoresPending: orNil(view.RestoresPending), WaitingForDisk: orNil(view.WaitingForDisk), FetchesPending: orNil(view.FetchesPending),
+	return RunStatus{RestoresPending: orNil(view.RestoresPending), WaitingForDisk: orNil(view.WaitingForDisk), FetchesPending: orNil(view.FetchesPending),
 		ArchiveErrors: mapOrNil(view.ArchiveErrors), FetchErrors: mapOrNil(view.FetchErrors)}
 }

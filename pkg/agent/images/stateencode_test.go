@@ -36,7 +36,7 @@ func TestStateIsWrittenAsMarshalIndentWritesIt(t *testing.T) {
 		"archives and retained": {Version: stateVersion,
 			Archives: map[string]*ArchiveState{"b.tar": archive(3), "a.tar.zst": archive(2), `odd "<&>" name.tar`: archive(1)},
 			Retained: map[string]*ArchiveState{"gone.tar": archive(2)},
-			Agent:    AgentView{LastReconcile: time.Date(2026, 12, 6, 15, 1, 0, 0, time.UTC), RestoresDone: 2, RestoresPending: []string{"registry.example/appa:1.0"}, ArchiveErrors: map[string]string{"bad.tar": "truncated"}}},
+			Agent:    RunStatus{LastReconcile: time.Date(2026, 12, 6, 15, 1, 0, 0, time.UTC), RestoresDone: 2, RestoresPending: []string{"registry.example/appa:1.0"}, ArchiveErrors: map[string]string{"bad.tar": "truncated"}}},
 	}
 	// encode writes State's fields by name: one added to State must be added there too.
 	var fields []string

@@ -282,7 +282,7 @@ func (a *Agent) setPlan() {
 // list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
 // one. A change by another writer since the snapshot is the events' to follow, as after any list.
 // The snapshot is done with: its loads have run.
-func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeSnapshot, releases []release) (imageRecords, error) {
+func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeCache, releases []release) (imageRecords, error) {
 	if listed, ok := snap.take(); ok && len(releases) == 0 {
 		return listed, nil
 	}
@@ -312,14 +312,14 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 // another archive owns, and records it; snap is the store as this sync or restore listed it.
 // It returns what the archive's previous content provided and it no longer does, to release once
 // the plan is made again.
-func (a *Agent) load(ctx context.Context, snap *storeSnapshot, ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, indexErr error) (ArchiveReport, []release) {
+func (a *Agent) load(ctx context.Context, snap *storeCache, ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, indexErr error) (ArchiveReport, []release) {
 	rep := a.importArchive(ctx, snap, ar, idx, indexErr)
 	return rep, a.recordArchive(rep, idx, contentDigest)
 }
 
 // importArchive is load's first half: it imports and pins, and only reads the agent (its plan),
 // so that archives are imported side by side.
-func (a *Agent) importArchive(ctx context.Context, snap *storeSnapshot, ar airgap.Archive, idx *airgap.Index, indexErr error) ArchiveReport {
+func (a *Agent) importArchive(ctx context.Context, snap *storeCache, ar airgap.Archive, idx *airgap.Index, indexErr error) ArchiveReport {
 	rep := ArchiveReport{Archive: ar}
 	if idx == nil {
 		rep.Err = indexErr

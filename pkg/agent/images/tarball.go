@@ -27,7 +27,7 @@ import (
 // no image record: putRef does, with the pin labels. Each blob the archive's index says which
 // images it is content of is committed with its labels; writes is what the import wrote
 // (archiveImport). ctx must carry a lease.
-func (im *importer) importTarball(ctx context.Context, snap *storeSnapshot, idx *airgap.Index) (named []images.Image, writes *archiveImport, err error) {
+func (im *importer) importTarball(ctx context.Context, snap *storeCache, idx *airgap.Index) (named []images.Image, writes *archiveImport, err error) {
 	rc, err := airgap.FileOpener(idx.Archive)()
 	if err != nil {
 		return nil, nil, err

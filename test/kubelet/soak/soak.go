@@ -551,7 +551,7 @@ func (s *soak) check() string {
 	// content, as long as the agent says why (in its state file, read once per check): a restore
 	// waiting, or the archive failing for lack of space. The step that frees the disk then
 	// requires everything back.
-	var view agentimages.AgentView
+	var view agentimages.RunStatus
 	if s.full {
 		if st, err := agentimages.LoadState(s.state); err == nil {
 			view = st.Agent

@@ -22,14 +22,14 @@ import (
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
-// storeSnapshot is the image store and the content store, each listed once when first asked:
+// storeCache is the image store and the content store, each listed once when first asked:
 // verifying that every reference of the images dir is present, complete and pinned then costs two
 // calls to containerd, not one or more per reference (a warm restart of 10,000 references). It is
 // a moment's view: what changes after it is seen by the events Run follows, and by the next sync.
 // A sync makes one (listedStore), and archives imported side by side share it. A restore makes a
 // lookupStore instead: it asks for one archive's references, and a list of the whole store per
 // restored archive would make the disk-pressure path cost O(store) per archive.
-type storeSnapshot struct {
+type storeCache struct {
 	mu     sync.Mutex
 	lookup bool // a Get per reference and an Info per blob, no list
 	// listed are the image records as listed or got (sorted by name), once, which the sync's
@@ -48,7 +48,7 @@ type storeSnapshot struct {
 }
 
 // importLease is the lease of the snapshot's imports, made at the first.
-func (snap *storeSnapshot) importLease(ctx context.Context, im *importer) (string, error) {
+func (snap *storeCache) importLease(ctx context.Context, im *importer) (string, error) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	if snap.lease == nil {
@@ -63,7 +63,7 @@ func (snap *storeSnapshot) importLease(ctx context.Context, im *importer) (strin
 
 // endImports ends the lease of the snapshot's imports, once every load has created its references:
 // what they imported and no reference holds is containerd's GC's.
-func (snap *storeSnapshot) endImports(ctx context.Context, im *importer) {
+func (snap *storeCache) endImports(ctx context.Context, im *importer) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	if snap.lease != nil {
@@ -75,23 +75,23 @@ func (snap *storeSnapshot) endImports(ctx context.Context, im *importer) {
 }
 
 // wrote records that the store no longer is what the snapshot says.
-func (snap *storeSnapshot) wrote() {
+func (snap *storeCache) wrote() {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	snap.written = true
 }
 
 // listedStore is a sync's snapshot: each store listed once, when first asked.
-func listedStore() *storeSnapshot { return &storeSnapshot{} }
+func listedStore() *storeCache { return &storeCache{} }
 
 // lookupStore is a restore's: each reference and blob asked for, and remembered.
-func lookupStore() *storeSnapshot {
-	return &storeSnapshot{lookup: true, content: newBlobSet()}
+func lookupStore() *storeCache {
+	return &storeCache{lookup: true, content: newBlobSet()}
 }
 
 // image is the reference ref as the snapshot has it; the first call of a listed snapshot lists
 // the image store.
-func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) (images.Image, bool, error) {
+func (im *importer) image(ctx context.Context, snap *storeCache, ref string) (images.Image, bool, error) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	if snap.lookup {
@@ -118,7 +118,7 @@ func (im *importer) image(ctx context.Context, snap *storeSnapshot, ref string) 
 }
 
 // listImages lists the image store into a listed snapshot, unless it is listed; snap.mu is held.
-func (im *importer) listImages(ctx context.Context, snap *storeSnapshot) error {
+func (im *importer) listImages(ctx context.Context, snap *storeCache) error {
 	if snap.isListed {
 		return nil
 	}
@@ -136,7 +136,7 @@ func (im *importer) listImages(ctx context.Context, snap *storeSnapshot) error {
 // are made, rather than beside them at the sync's peak. A failure is the loads' to report: each
 // lists again when it first asks. With only .txt lists in the dir (their pulls write through the
 // CRI), the sync lists the store again after them: one list more than before this was moved.
-func (im *importer) listFirst(ctx context.Context, snap *storeSnapshot) {
+func (im *importer) listFirst(ctx context.Context, snap *storeCache) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	im.listImages(ctx, snap)
@@ -145,7 +145,7 @@ func (im *importer) listFirst(ctx context.Context, snap *storeSnapshot) {
 // take is the image store as a listed snapshot listed it, false if it never listed the store or
 // a load wrote to it since; either way the snapshot lets go of its lists, so that what the sync
 // does next (a list of the store after its loads, the keep-set, the state) does not hold them too.
-func (snap *storeSnapshot) take() (imageRecords, bool) {
+func (snap *storeCache) take() (imageRecords, bool) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	listed, ok := snap.listed, !snap.lookup && snap.isListed && !snap.written
@@ -158,7 +158,7 @@ func (snap *storeSnapshot) take() (imageRecords, bool) {
 
 // hasContent says whether containerd holds the blob d; the first call of a listed snapshot lists
 // the content store.
-func (im *importer) hasContent(ctx context.Context, snap *storeSnapshot, d digest.Digest) (bool, error) {
+func (im *importer) hasContent(ctx context.Context, snap *storeCache, d digest.Digest) (bool, error) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	if snap.lookup {
@@ -180,7 +180,7 @@ func (im *importer) hasContent(ctx context.Context, snap *storeSnapshot, d diges
 }
 
 // walkContent lists the content store into a listed snapshot, once; snap.mu is held.
-func (im *importer) walkContent(ctx context.Context, snap *storeSnapshot) error {
+func (im *importer) walkContent(ctx context.Context, snap *storeCache) error {
 	if snap.content != nil {
 		return nil
 	}
@@ -243,7 +243,7 @@ func (s *blobSet) set(d digest.Digest, has bool) {
 // holds (same manifest digest, or for docker archives, whose manifest containerd writes at import,
 // the same config). Only what containerd says is not found counts as absent: any other error
 // (containerd restarting, a timeout) is returned, and never causes a re-import.
-func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap *storeSnapshot) ([]images.Image, bool, error) {
+func (im *importer) presentTargets(ctx context.Context, idx *airgap.Index, snap *storeCache) ([]images.Image, bool, error) {
 	var found []images.Image
 	for _, want := range idx.Images {
 		img, ok, err := im.image(ctx, snap, want.Ref)
@@ -298,7 +298,7 @@ func imageID(idx *airgap.Index, ref string) digest.Digest {
 // it, making this record and then writing the mark, and at a cold load those were 2 of every 11
 // transactions of an image (of 3 small blobs) that the load waited on. A record on another
 // target (another manifest of the same config) is pointed at this one, as the CRI does.
-func (im *importer) putImageID(ctx context.Context, snap *storeSnapshot, id digest.Digest, target ocispec.Descriptor) bool {
+func (im *importer) putImageID(ctx context.Context, snap *storeCache, id digest.Digest, target ocispec.Descriptor) bool {
 	if id == "" {
 		return false
 	}
@@ -329,7 +329,7 @@ func (im *importer) putImageID(ctx context.Context, snap *storeSnapshot, id dige
 // which is then id, and the manifest need not be read to know it (10,000 reads of a manifest, a
 // quarter of what a first sync at 10,000 references allocated). False when there is no such
 // record: the caller reads the config.
-func (im *importer) imageIDNames(ctx context.Context, snap *storeSnapshot, id, target digest.Digest) bool {
+func (im *importer) imageIDNames(ctx context.Context, snap *storeCache, id, target digest.Digest) bool {
 	if id == "" {
 		return false
 	}
