@@ -3,6 +3,24 @@
 // bottom: archives are read into indexes (airgap), imported with the pin set at creation
 // (importer, through pinning.Pinner), recorded (State), and the keep-decision (Plan) drives
 // reconcile, restore, the adoption of k3s's pins and the kubelet's GC filter (Keeper).
+//
+// Its files, by concern:
+//   - the keep-decision, pure: plan.go (Plan, Keeper), owners.go (which archive loads a reference),
+//     digestref.go (repo@digest names), workloads.go (what the workloads may add);
+//   - the loader, archive to containerd: import.go (Load), tarball.go (an archive's blobs),
+//     layerindex.go (the content store as containerd's import reads it), storecache.go (the stores,
+//     listed once), imagelist.go (containerd's image list, decoded record by record), listpull.go
+//     (the .txt lists, pulled through the CRI);
+//   - the agent: agent.go (Agent, Config), sync.go (Sync), run.go (Run: events, restore, the
+//     images dir), fetch.go and pullguard.go (fetching by digest, within the disk's room),
+//     imagefs.go, manual.go (pin and unpin), k3spins.go (stock k3s's pins adopted), leases.go;
+//   - what it keeps and tells: state.go and statelost.go (the state file), report.go (Reporter,
+//     Events, the protection), inspect.go (Inspect, for status and doctor), metrics.go;
+//   - connect.go: the containerd connection, every call bounded;
+//   - policyvalues.go: the flags' values and names (the flags themselves are pkg/k3spinning's).
+//
+// It is larger than one package should be; the keep-decision and the loader are to become
+// packages of their own.
 package images
 
 import (
