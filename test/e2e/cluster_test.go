@@ -23,7 +23,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -230,23 +229,16 @@ type cluster struct {
 	kubectlRunner
 }
 
-// clusterNode is one node of the cluster.
+// clusterNode is one node of the cluster: the shared k3sNode in namespaces of its own, its data
+// dir /var/lib/rancher/k3s in its mount namespace.
 type clusterNode struct {
-	*host
-	c         *cluster
-	name      string // the Node's name
-	ns        string // its network namespace
-	ip        string
-	server    bool
-	data      string // its k3s data dir on the host, /var/lib/rancher/k3s in its mount namespace
-	imagesDir string
-	hand      map[string]string // hand-import archives by reference
-	args      []string          // k3s's command line, without the binary
-	env       []string
-	cmd       *exec.Cmd
-	pid       atomic.Int64 // k3s's, for the event watch's reconnects
-	starts    int
-	bigImage  bool // its images dir also holds clusterBigRef (killMidImport)
+	*k3sNode
+	c        *cluster
+	ip       string
+	server   bool
+	args     []string // k3s's command line, without the binary
+	env      []string
+	bigImage bool // its images dir also holds clusterBigRef (killMidImport)
 }
 
 func (c *cluster) server() *clusterNode { return c.nodes[0] }
@@ -284,7 +276,7 @@ func newCluster(t *testing.T, mode clusterMode, bin, tools string) *cluster {
 	}
 	c.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
 		s := c.server()
-		return exec.Command("ip", append([]string{"netns", "exec", s.ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
+		return exec.Command("ip", append([]string{"netns", "exec", s.netns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, args...)...)
 	}}
 	images := clusterImages(t)
 	d, err := images[clusterSharedRef].Digest()
@@ -352,13 +344,16 @@ func (c *cluster) newNode(name string, octet int, server bool, images map[string
 	}
 	data := filepath.Join(dir, "data")
 	n := &clusterNode{
-		host: &host{t: t, ctx: namespaces.WithNamespace(t.Context(), pinning.DefaultNamespace), dir: dir,
-			imagefs: filepath.Join(data, "agent", "containerd"), cgroupRoot: "k3sp-" + name},
-		c: c, name: "k3sp-" + name, ip: fmt.Sprintf("%s.%d", clusterLAN, octet), server: server,
-		data: data, imagesDir: filepath.Join(data, "agent", "images"), hand: map[string]string{},
+		k3sNode: &k3sNode{
+			host: &host{t: t, ctx: namespaces.WithNamespace(t.Context(), pinning.DefaultNamespace), dir: dir,
+				imagefs: filepath.Join(data, "agent", "containerd"), cgroupRoot: "k3sp-" + name},
+			bin: c.bin, name: "k3sp-" + name, pinning: !c.mode.daemonSet, data: data, imagesDir: filepath.Join(data, "agent", "images"),
+			path: []string{filepath.Join(c.tools, "cni"), filepath.Join(c.tools, "bin")}, hand: map[string]string{},
+		},
+		c: c, ip: fmt.Sprintf("%s.%d", clusterLAN, octet), server: server,
 	}
 	t.Cleanup(n.cleanup)
-	n.ns = c.lan.join(name, octet)
+	n.netns = c.lan.join(name, octet)
 	n.makeCgroupRoot()
 	for _, d := range []string{"kubelet", "pods", "containers", "rancher/k3s/config.yaml.d", "cni"} {
 		if err := os.MkdirAll(filepath.Join(dir, "root", d), 0o755); err != nil {
@@ -516,23 +511,10 @@ func (n *clusterNode) airgapRefs() []string {
 	return refs
 }
 
-// socket is its containerd's socket, seen through its mount namespace (nsenter, unshare and the
-// script each exec the next: the process is k3s).
-func (n *clusterNode) socket() string {
-	return fmt.Sprintf("/proc/%d/root%s", n.pid.Load(), k3sContainerdSocket)
-}
-
-// launch runs k3s in the node's namespaces.
+// launch runs k3s in the node's namespaces with its arguments.
 func (n *clusterNode) launch() {
 	n.t.Helper()
-	n.starts++
-	cmd := exec.Command("nsenter", append([]string{"--net=/run/netns/" + n.ns, "--", "unshare", "--mount", "--propagation", "slave", "--",
-		"sh", "-c", nodeScript, "k3s-node", filepath.Join(n.c.bin, "k3s")}, n.args...)...)
-	cmd.Env = append(os.Environ(), append([]string{"NODE_DIR=" + n.dir,
-		"PATH=" + strings.Join([]string{filepath.Join(n.c.tools, "cni"), filepath.Join(n.c.tools, "bin"), n.c.bin, os.Getenv("PATH")}, ":")}, n.env...)...)
-	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
-	n.cmd = cmd
-	n.pid.Store(int64(cmd.Process.Pid))
+	n.k3sNode.launch(n.args, n.env...)
 }
 
 // start runs k3s in the node's namespaces and waits until its containerd answers, the Node is
@@ -540,13 +522,7 @@ func (n *clusterNode) launch() {
 func (n *clusterNode) start() {
 	n.t.Helper()
 	n.launch()
-	n.await(3*time.Minute, n.name+": containerd of k3s answering", func() bool {
-		if _, err := os.Stat(n.socket()); err != nil {
-			return false
-		}
-		n.connect(n.socket())
-		return true
-	})
+	n.awaitContainerd(3 * time.Minute)
 	n.await(3*time.Minute, n.name+": the Node registered", func() bool { return n.c.kubectlOK("get", "node", n.name) })
 	n.await(2*time.Minute, n.name+": agent/images loaded", func() bool {
 		for _, present := range n.present(n.airgapRefs()...) {
@@ -556,24 +532,6 @@ func (n *clusterNode) start() {
 		}
 		return true
 	})
-}
-
-// inNode runs a command in the node's namespaces (those of its k3s process).
-func (n *clusterNode) inNode(name string, args ...string) (string, error) {
-	cmd := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(n.cmd.Process.Pid), "-n", "-m", "--", name}, args...)...)
-	cmd.Env = append(os.Environ(), "PATH="+n.c.bin+":"+os.Getenv("PATH"))
-	out, err := cmd.CombinedOutput()
-	return string(out), err
-}
-
-// handImport imports the node's hand archives with k3s's `ctr images import`, as an operator would.
-func (n *clusterNode) handImport() {
-	n.t.Helper()
-	for ref, archive := range n.hand {
-		if out, err := n.inNode(filepath.Join(n.c.bin, "ctr"), "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive); err != nil {
-			n.t.Fatalf("%s: ctr images import %s (%s): %v\n%s", n.name, archive, ref, err, out)
-		}
-	}
 }
 
 // cleanup stops everything the node started, whatever state the test left it in: its pods, k3s and
@@ -592,8 +550,8 @@ func (n *clusterNode) cleanup() {
 	if n.cmd != nil {
 		containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
 	}
-	if n.ns != "" {
-		killNetnsProcs(n.ns)
+	if n.netns != "" {
+		killNetnsProcs(n.netns)
 	}
 	n.releaseMounts()
 	os.RemoveAll(n.dir)
@@ -606,19 +564,10 @@ func (c *cluster) apply(name, manifest string) {
 	c.mustKubectl("apply", "-f", path)
 }
 
-// statusCluster is `k3s-pinning status --cluster` with flags in the server's network namespace:
-// its output (stdout, then stderr when it fails) and exit code.
+// statusCluster is `k3s-pinning status --cluster` with flags, from the server.
 func (c *cluster) statusCluster(flags ...string) (string, int) {
 	c.t.Helper()
-	s := c.server()
-	cmd := exec.Command("ip", append([]string{"netns", "exec", s.ns, k3sPinningCLI(c.t), "status", "--cluster", "--kubeconfig", filepath.Join(s.dir, "kubeconfig")}, flags...)...)
-	out, err := cmd.Output() // stdout only: -o json is parsed
-	if exit, ok := err.(*exec.ExitError); ok {
-		return string(out) + string(exit.Stderr), exit.ExitCode()
-	} else if err != nil {
-		c.t.Fatal(err)
-	}
-	return string(out), 0
+	return c.server().statusCluster(flags...)
 }
 
 // start starts the server, then the agents, and waits until every node is Ready (the CNI is up).
@@ -773,7 +722,7 @@ func (c *cluster) nodeReadsInScopeOnly(r *clusterReport) {
 	c.t.Helper()
 	agent1 := c.agents()[0]
 	asKubelet := func(args ...string) (string, error) {
-		return agent1.inNode(filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig", "/var/lib/rancher/k3s/agent/kubelet.kubeconfig"}, args...)...)
+		return agent1.tool("kubectl", append([]string{"--kubeconfig", "/var/lib/rancher/k3s/agent/kubelet.kubeconfig"}, args...)...)
 	}
 	type reader struct {
 		who string
@@ -1058,7 +1007,7 @@ func runCluster(t *testing.T, mode clusterMode, bin, tools string, r *clusterRep
 	// condition reach the cluster, with no agent restarted.
 	c.server().stop()
 	downSince := time.Now()
-	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sToolRef); err != nil {
+	if out, err := agent1.crictl("rmi", k3sToolRef); err != nil {
 		t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, k3sToolRef, err, out)
 	}
 	restored := agent1.await(30*time.Second, k3sToolRef+" restored on "+agent1.name+" while the server is down", func() bool {
@@ -1131,14 +1080,14 @@ users: [{name: u, user: {token: %q}}]
 contexts: [{name: c, context: {cluster: c, user: u}}]
 current-context: c
 `, clusterLAN, filepath.Join(c.server().data, "server", "tls", "server-ca.crt"), token))
-		cmd := exec.Command("ip", append([]string{"netns", "exec", c.server().ns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", kubeconfig}, args...)...)
+		cmd := exec.Command("ip", append([]string{"netns", "exec", c.server().netns, filepath.Join(c.bin, "kubectl"), "--kubeconfig", kubeconfig}, args...)...)
 		out, err := cmd.CombinedOutput()
 		return string(out), err
 	}
 	// patch sends one PATCH as the account's Event recorder does, with no GET first (kubectl
 	// patch reads the object, which the account may not).
 	patch := func(token, path, body string) (string, error) {
-		cmd := exec.Command("ip", "netns", "exec", c.server().ns, "curl", "-sS", "--fail-with-body",
+		cmd := exec.Command("ip", "netns", "exec", c.server().netns, "curl", "-sS", "--fail-with-body",
 			"--cacert", filepath.Join(c.server().data, "server", "tls", "server-ca.crt"), "-H", "Authorization: Bearer "+token,
 			"-H", "Content-Type: application/merge-patch+json", "-X", "PATCH", "--data", body,
 			fmt.Sprintf("https://%s.10:6443%s", clusterLAN, path))
@@ -1211,11 +1160,7 @@ source: {component: k3s-pinning}
 // stop stops the node's k3s (SIGTERM, as systemd does) and waits for it; its pods keep running.
 func (n *clusterNode) stop() {
 	n.t.Helper()
-	if n.client != nil {
-		n.client.Close()
-		n.client = nil
-	}
-	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
+	n.k3sNode.stop()
 	n.killPods()
 }
 
@@ -1298,7 +1243,7 @@ func (c *cluster) restoreOnFullDisk(r *clusterReport) {
 	// it, the rmi frees exactly what the restore needs.
 	full := agent1.fill(0)
 	hog := agent1.hog()
-	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sToolRef); err != nil {
+	if out, err := agent1.crictl("rmi", k3sToolRef); err != nil {
 		c.t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, k3sToolRef, err, out)
 	}
 	var event string
@@ -1470,7 +1415,7 @@ func (c *cluster) fleet(r *clusterReport, ready time.Time) {
 			return err == nil && s.Retained[clusterSharedArchive] != nil && s.Retained[clusterSharedArchive].Refs[clusterSharedRef] != ""
 		})
 	}
-	if out, err := agent1.inNode(filepath.Join(c.bin, "crictl"), "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", c.shared); err != nil {
+	if out, err := agent1.crictl("rmi", c.shared); err != nil {
 		c.t.Fatalf("%s: crictl rmi %s: %v\n%s", agent1.name, c.shared, err, out)
 	}
 	removed := time.Now()

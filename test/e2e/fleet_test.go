@@ -37,7 +37,7 @@ func TestFleetBench(t *testing.T) {
 	peers := []*clusterNode{c.server(), agent2}
 	crictl := func(n *clusterNode, args ...string) {
 		t.Helper()
-		if out, err := n.inNode(filepath.Join(c.bin, "crictl"), append([]string{"--runtime-endpoint", "unix://" + k3sContainerdSocket}, args...)...); err != nil {
+		if out, err := n.crictl(args...); err != nil {
 			t.Fatalf("%s: crictl %v: %v\n%s", n.name, args, err, out)
 		}
 	}
@@ -70,7 +70,7 @@ func TestFleetBench(t *testing.T) {
 	var imports []time.Duration
 	for range fleetBenchRounds {
 		start := time.Now()
-		if out, err := agent2.inNode(filepath.Join(c.bin, "ctr"), "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive); err != nil {
+		if out, err := agent2.tool("ctr", "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive); err != nil {
 			t.Fatalf("ctr images import %s: %v\n%s", archive, err, out)
 		}
 		imports = append(imports, time.Since(start))

@@ -9,7 +9,6 @@ package e2e_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -104,24 +103,20 @@ func k3sBinDir(t *testing.T) string {
 	return dir
 }
 
-// k3sNode is one k3s server node; start and stop run the same data dir again.
-type k3sNode struct {
-	*host
-	bin       string // make k3s's bin dir
-	pinning   bool   // false: --disable-image-pinning
-	data      string // --data-dir
-	imagesDir string
-	hand      []string // hand-import archives, in k3sHandRefs' order
-	cmd       *exec.Cmd
-	starts    int
-	logs      []string // the log of each start
+// k3sServer is the single `k3s server` node of make k3s-e2e and make bench, on this host: the
+// shared k3sNode, and kubectl with its kubeconfig.
+type k3sServer struct {
+	*k3sNode
 	kubectlRunner
 }
 
-func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
+func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sServer {
 	t.Helper()
 	n := newK3sHost(t, bin, withPinning, k3sImagefsSize)
-	n.hand = n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(n.dir, "hand"), testBinary(t, "sleeper"))
+	hand := n.writeArchives(imageSet{pause: k3sPauseRef, app: k3sAppRef, tool: k3sToolRef, hand: k3sHandRefs}, n.imagesDir, filepath.Join(n.dir, "hand"), testBinary(t, "sleeper"))
+	for i, ref := range k3sHandRefs {
+		n.hand[ref] = hand[i]
+	}
 	// k3s keeps its import cache across restarts once this file exists (k3s issue 14265).
 	if err := os.WriteFile(filepath.Join(n.imagesDir, ".cache.json"), nil, 0o644); err != nil {
 		t.Fatal(err)
@@ -131,7 +126,7 @@ func newK3sNode(t *testing.T, bin string, withPinning bool) *k3sNode {
 
 // newK3sHost is a k3s node's dirs, its imagefs of imagefsSize bytes mounted, k3s's containerd
 // template and the kubelet drop-in written, and nothing in agent/images yet.
-func newK3sHost(t *testing.T, bin string, withPinning bool, imagefsSize int64) *k3sNode {
+func newK3sHost(t *testing.T, bin string, withPinning bool, imagefsSize int64) *k3sServer {
 	t.Helper()
 	requireTools(t)
 	if conn, err := os.Stat(k3sContainerdSocket); err == nil && conn.Mode()&os.ModeSocket != 0 {
@@ -145,13 +140,15 @@ func newK3sHost(t *testing.T, bin string, withPinning bool, imagefsSize int64) *
 		t.Fatal(err)
 	}
 	data := filepath.Join(dir, "data")
-	n := &k3sNode{
+	n := &k3sServer{k3sNode: &k3sNode{
 		host:      &host{t: t, ctx: namespaces.WithNamespace(t.Context(), pinning.DefaultNamespace), dir: dir, imagefs: filepath.Join(data, "agent", "containerd")},
 		bin:       bin,
+		name:      k3sNodeName,
 		pinning:   withPinning,
 		data:      data,
 		imagesDir: filepath.Join(data, "agent", "images"),
-	}
+		hand:      map[string]string{},
+	}}
 	n.kubectlRunner = kubectlRunner{kt: t, command: func(args ...string) *exec.Cmd {
 		return exec.Command(filepath.Join(n.bin, "kubectl"), append([]string{"--kubeconfig", filepath.Join(n.dir, "kubeconfig")}, args...)...)
 	}}
@@ -219,7 +216,7 @@ imageMinimumGCAge: 1s
 
 // k3sServerArgs are the arguments of every start: a single node whose bundled components that need
 // images are off (their images are not in the images dir), no CNI, kubelet state in the test dir.
-func (n *k3sNode) k3sServerArgs() []string {
+func (n *k3sServer) k3sServerArgs() []string {
 	args := []string{"server", "--data-dir", n.data, "--node-name", k3sNodeName,
 		"--write-kubeconfig", filepath.Join(n.dir, "kubeconfig"), "--write-kubeconfig-mode", "0600",
 		"--disable", "traefik,servicelb,metrics-server,coredns,local-storage",
@@ -237,7 +234,7 @@ func (n *k3sNode) k3sServerArgs() []string {
 
 // registries writes the node's registries.yaml: every registry mirrored to 127.0.0.1:9, where
 // nothing listens.
-func (n *k3sNode) registries() string {
+func (n *k3sServer) registries() string {
 	path := filepath.Join(n.dir, "registries.yaml")
 	if _, err := os.Stat(path); err != nil {
 		n.writeFile(path, "mirrors:\n  \"*\":\n    endpoint:\n      - \"http://127.0.0.1:9\"\n")
@@ -247,30 +244,25 @@ func (n *k3sNode) registries() string {
 
 // start runs `k3s server` with the common arguments and extra, with env added, and waits until
 // the node is registered, containerd answers, and agent/images is loaded.
-func (n *k3sNode) start(extra []string, env ...string) {
+func (n *k3sServer) start(extra []string, env ...string) {
 	n.startAndWait(true, extra, env...)
 }
 
 // restart stops k3s and starts it again; with imagesBack false (stock k3s, whose images may be gone
 // by then) it does not wait for agent/images to be present.
-func (n *k3sNode) restart(imagesBack bool, extra []string, env ...string) {
+func (n *k3sServer) restart(imagesBack bool, extra []string, env ...string) {
 	n.t.Helper()
 	n.stop()
 	n.startAndWait(imagesBack, extra, env...)
 }
 
-func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string) {
+func (n *k3sServer) startAndWait(imagesLoaded bool, extra []string, env ...string) {
 	n.t.Helper()
-	n.starts++
-	cmd := exec.Command(filepath.Join(n.bin, "k3s"), append(n.k3sServerArgs(), extra...)...)
 	if n.pinning {
 		// Every start with pinning keeps the images of the workloads in "default" too.
 		env = append([]string{"K3S_PINNED_WORKLOAD_IMAGES=true", "K3S_PINNED_WORKLOAD_NAMESPACES=default"}, env...)
 	}
-	cmd.Env = append(os.Environ(), append([]string{"PATH=" + n.bin + ":" + os.Getenv("PATH")}, env...)...)
-	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
-	n.cmd = cmd
-	n.logs = append(n.logs, n.log)
+	n.launch(append(n.k3sServerArgs(), extra...), env...)
 	n.awaitContainerd(3 * time.Minute)
 	n.await(3*time.Minute, "the node registered", func() bool { return n.kubectlOK("get", "node", k3sNodeName) })
 	if !imagesLoaded {
@@ -282,40 +274,10 @@ func (n *k3sNode) startAndWait(imagesLoaded bool, extra []string, env ...string)
 	})
 }
 
-// awaitContainerd waits up to d for k3s's containerd to answer on its socket, and connects.
-func (n *k3sNode) awaitContainerd(d time.Duration) {
-	n.t.Helper()
-	n.await(d, "containerd of k3s answering", func() bool {
-		if n.client != nil {
-			return true
-		}
-		if _, err := os.Stat(k3sContainerdSocket); err != nil {
-			return false
-		}
-		n.connect(k3sContainerdSocket)
-		return true
-	})
-}
-
-// stop stops k3s (SIGTERM, as systemd does) and waits for it; pods keep running, as on a real
-// restart.
-func (n *k3sNode) stop() {
-	n.t.Helper()
-	if n.cmd == nil {
-		return
-	}
-	containerdtest.Terminate(n.cmd.Process, n.exited, 30*time.Second)
-	n.cmd = nil
-	if n.client != nil {
-		n.client.Close()
-		n.client = nil
-	}
-}
-
 // cleanup stops everything the node started, whatever state the test left it in: the pods (their
 // shims), k3s and its containerd, the mounts below the test dir and /run/k3s, the loop device,
 // the kubelet's cgroups, and the host paths k3s created (those in created), the app's pod logs.
-func (n *k3sNode) cleanup(created []string) {
+func (n *k3sServer) cleanup(created []string) {
 	if n.stopEvents != nil {
 		n.stopEvents()
 	}
@@ -360,57 +322,10 @@ func (n *k3sNode) cleanup(created []string) {
 	os.RemoveAll(n.dir)
 }
 
-// kubectlRunner runs kubectl against one API server; command makes its command line (make k3s's
-// multicall link with the server's kubeconfig, in whatever namespace reaches the server).
-type kubectlRunner struct {
-	kt      *testing.T
-	command func(args ...string) *exec.Cmd
-}
-
-func (k kubectlRunner) kubectl(args ...string) (string, error) {
-	out, err := k.command(args...).CombinedOutput()
-	return string(out), err
-}
-
-func (k kubectlRunner) kubectlOK(args ...string) bool {
-	_, err := k.kubectl(args...)
-	return err == nil
-}
-
-func (k kubectlRunner) mustKubectl(args ...string) string {
-	k.kt.Helper()
-	out, err := k.kubectl(args...)
-	if err != nil {
-		k.kt.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
-	}
-	return out
-}
-
-// k3sTool runs k3s's ctr or crictl: the multicall binary under that name, which is what `k3s ctr`
-// and `k3s crictl` of a release k3s exec (its outer wrapper runs them from its data dir; make k3s
-// builds the inner binary, whose own `ctr` subcommand would see "ctr" as its first argument).
-func (n *k3sNode) k3sTool(name string, args ...string) string {
-	n.t.Helper()
-	cmd := exec.Command(filepath.Join(n.bin, name), args...)
-	cmd.Env = append(os.Environ(), "PATH="+n.bin+":"+os.Getenv("PATH"))
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		n.t.Fatalf("k3s %s %s: %v\n%s", name, strings.Join(args, " "), err, out)
-	}
-	return string(out)
-}
-
-// handImport imports the hand archives with k3s's `ctr images import`, as an operator would.
-func (n *k3sNode) handImport() {
-	for _, archive := range n.hand {
-		n.k3sTool("ctr", "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "import", archive)
-	}
-}
-
 // deployApp runs the app as a Deployment (so that an evicted pod is replaced): host network, the
 // image from the images dir only (imagePullPolicy: Never), tolerating the not-ready taint of a
 // node without CNI.
-func (n *k3sNode) deployApp() {
+func (n *k3sServer) deployApp() {
 	n.t.Helper()
 	n.await(2*time.Minute, "the default service account (kubectl apply needs it for pods)", func() bool { return n.kubectlOK("get", "serviceaccount", "default") })
 	n.applyDeployment(k3sAppName, k3sAppRef, 1)
@@ -418,7 +333,7 @@ func (n *k3sNode) deployApp() {
 
 // applyDeployment applies a Deployment of replicas pods running image (host network, from the
 // node only: imagePullPolicy Never, tolerating the not-ready taint of a node without CNI).
-func (n *k3sNode) applyDeployment(name, image string, replicas int) {
+func (n *k3sServer) applyDeployment(name, image string, replicas int) {
 	n.t.Helper()
 	manifest := fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
@@ -442,7 +357,7 @@ spec:
 
 // appPods summarizes the app's pods as kubectl shows them: "Running", the reason a container
 // waits (ErrImageNeverPull), "Evicted", "Pending".
-func (n *k3sNode) appPods() []string {
+func (n *k3sServer) appPods() []string {
 	out, err := n.kubectl("get", "pods", "-l", "app="+k3sAppName, "-o", "json")
 	if err != nil {
 		return []string{"kubectl: " + strings.TrimSpace(out)}
@@ -471,10 +386,10 @@ func (n *k3sNode) appPods() []string {
 	return states
 }
 
-func (n *k3sNode) appRunning() bool { return slices.Contains(n.appPods(), "Running") }
+func (n *k3sServer) appRunning() bool { return slices.Contains(n.appPods(), "Running") }
 
 // digest is the manifest digest containerd holds for ref, or "".
-func (n *k3sNode) digest(ref string) string {
+func (n *k3sServer) digest(ref string) string {
 	img, err := n.client.ImageService().Get(n.ctx, ref)
 	if err != nil {
 		return ""
@@ -571,7 +486,7 @@ func printK3sTable(with, stock *k3sReport) {
 // more than the unpinned images can free, so the kubelet reclaims every image it may and evicts
 // the app's pod; then the pressure goes, and the Deployment's new pod must start from the image.
 // It records what happened; the caller asserts what its mode promises.
-func (n *k3sNode) pressureEvictReclaim(r *k3sReport) {
+func (n *k3sServer) pressureEvictReclaim(r *k3sReport) {
 	n.t.Helper()
 	wasRunning := n.appRunning()
 	start := time.Now()
@@ -608,14 +523,14 @@ func (n *k3sNode) pressureEvictReclaim(r *k3sReport) {
 
 // rmiPause is k3s issue 2961: `crictl rmi` of the pause image; it must come back from its archive
 // with the same digest (with k3s-pinning), where stock k3s leaves it gone until a restart.
-func (n *k3sNode) rmiPause(r *k3sReport) {
+func (n *k3sServer) rmiPause(r *k3sReport) {
 	n.t.Helper()
 	want := n.digest(k3sPauseRef)
 	if want == "" {
 		r.rmiBack = "absent before rmi"
 		return
 	}
-	n.k3sTool("crictl", "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sPauseRef)
+	n.mustTool("crictl", "--runtime-endpoint", "unix://"+k3sContainerdSocket, "rmi", k3sPauseRef)
 	start := time.Now()
 	deadline := 30 * time.Second
 	for time.Since(start) < deadline {
@@ -803,13 +718,13 @@ func runK3sScenarios(t *testing.T, bin string, withPinning bool, report **k3sRep
 
 // labelPinned says whether containerd's record of ref carries the CRI pin label (what the CRI's
 // view, which lags it by a moment, follows).
-func (n *k3sNode) labelPinned(ref string) bool {
+func (n *k3sServer) labelPinned(ref string) bool {
 	img, err := n.client.ImageService().Get(n.ctx, ref)
 	return err == nil && img.Labels[pinning.LabelPinned] == pinning.PinnedValue
 }
 
 // presentArePinned says whether every one of refs that containerd holds is CRI pinned.
-func (n *k3sNode) presentArePinned(refs ...string) bool {
+func (n *k3sServer) presentArePinned(refs ...string) bool {
 	for ref, present := range n.present(refs...) {
 		if present && !n.criPinned(ref) {
 			return false
@@ -822,7 +737,7 @@ func (n *k3sNode) presentArePinned(refs ...string) bool {
 // stripped from an image by hand, an archive copied into agent/images, an archive removed from it.
 // It records, per change, what the node did within 30 s, read from containerd's labels (the CRI's
 // view follows them; on containerd 2.3 it was seen to keep showing a stripped image pinned).
-func (n *k3sNode) runtimeChanges(r *k3sReport) {
+func (n *k3sServer) runtimeChanges(r *k3sReport) {
 	n.t.Helper()
 	within := func(what string, cond func() bool) string {
 		start := time.Now()
@@ -889,25 +804,8 @@ func grepLines(s, substr string) string {
 	return strings.Join(out, "\n")
 }
 
-// doctor runs k3s-pinning doctor against the node (its containerd, images dir and state file,
-// and the policy k3s was started with), and returns its exit code.
-// k3sPinning runs the k3s-pinning command (built once into the user cache) and returns its
-// output and exit code.
-func (n *k3sNode) k3sPinning(args ...string) (string, int) {
-	n.t.Helper()
-	out, err := exec.Command(n.k3sPinningBin(), args...).CombinedOutput()
-	var exit *exec.ExitError
-	if errors.As(err, &exit) {
-		return string(out), exit.ExitCode()
-	}
-	if err != nil {
-		n.t.Fatal(err)
-	}
-	return string(out), 0
-}
-
 // k3sPinningBin is the k3s-pinning command (k3sPinningCLI).
-func (n *k3sNode) k3sPinningBin() string { return k3sPinningCLI(n.t) }
+func (n *k3sServer) k3sPinningBin() string { return k3sPinningCLI(n.t) }
 
 // k3sPinningCLI is the k3s-pinning command of this checkout, built once per test binary into the
 // user cache (beside testBinary's).
@@ -937,7 +835,7 @@ func k3sPinningCLI(t *testing.T) string {
 	return bin
 }
 
-func (n *k3sNode) doctor(pinned string) int {
+func (n *k3sServer) doctor(pinned string) int {
 	n.t.Helper()
 	out, code := n.k3sPinning("doctor", "--containerd-address", k3sContainerdSocket, "--images-dir", n.imagesDir,
 		"--state-file", filepath.Join(n.data, "agent", "k3s-pinning", "state.json"), "--pinned-images", pinned)
@@ -950,7 +848,7 @@ func (n *k3sNode) doctor(pinned string) int {
 // kubelet credentials first may not read the workloads: a WorkloadAccessDenied Event says what is
 // missing while the node-local protection goes on; once deploy/k3s-pinning-workloads.yaml binds
 // its ClusterRole to the nodes in "default", the image is pinned for its workload.
-func (n *k3sNode) parkWorkload(r *k3sReport) {
+func (n *k3sServer) parkWorkload(r *k3sReport) {
 	n.t.Helper()
 	if n.pinning {
 		n.await(time.Minute, "a WorkloadAccessDenied event on the Node", func() bool { return n.nodeEvent("WorkloadAccessDenied", "ClusterRole") != "" })
@@ -970,14 +868,8 @@ func (n *k3sNode) parkWorkload(r *k3sReport) {
 	}
 }
 
-// statusCluster is `k3s-pinning status --cluster` with the node's kubeconfig.
-func (n *k3sNode) statusCluster() (string, int) {
-	n.t.Helper()
-	return n.k3sPinning("status", "--cluster", "--kubeconfig", filepath.Join(n.dir, "kubeconfig"))
-}
-
 // condition is the node's AirgapImagesProtected condition as "status reason: message", or "".
-func (n *k3sNode) condition() string {
+func (n *k3sServer) condition() string {
 	out, err := n.kubectl("get", "node", k3sNodeName, "-o", `jsonpath={range .status.conditions[?(@.type=="AirgapImagesProtected")]}{.status} {.reason}: {.message}{end}`)
 	if err != nil {
 		return ""
@@ -986,7 +878,7 @@ func (n *k3sNode) condition() string {
 }
 
 // nodeEvent is the message of the node's first event with reason whose message names what, or "".
-func (n *k3sNode) nodeEvent(reason, what string) string {
+func (n *k3sServer) nodeEvent(reason, what string) string {
 	out, err := n.kubectl("get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+k3sNodeName+",reason="+reason,
 		"-o", `jsonpath={range .items[*]}{.type} {.source.component}: {.message}{"\n"}{end}`)
 	if err != nil {
@@ -1004,7 +896,7 @@ func (n *k3sNode) nodeEvent(reason, what string) string {
 // status --cluster; then a loss (a hand import the
 // policy keeps, deleted by hand: nothing can restore it) flips both, and importing it again
 // flips them back.
-func (n *k3sNode) clusterView(r *k3sReport, lost string) {
+func (n *k3sServer) clusterView(r *k3sReport, lost string) {
 	n.t.Helper()
 	n.await(time.Minute, "the node condition AirgapImagesProtected True", func() bool { return strings.HasPrefix(n.condition(), "True ") })
 	out, code := n.statusCluster()
@@ -1014,7 +906,7 @@ func (n *k3sNode) clusterView(r *k3sReport, lost string) {
 		n.t.Errorf("status --cluster on a protected node: exit %d\n%s", code, out)
 	}
 
-	n.k3sTool("ctr", "-a", k3sContainerdSocket, "-n", pinning.DefaultNamespace, "images", "rm", lost)
+	n.ctr("images", "rm", lost)
 	n.await(time.Minute, "an ImageLost event on the Node naming "+lost, func() bool { return n.nodeEvent("ImageLost", lost) != "" })
 	r.lostEvent = n.nodeEvent("ImageLost", lost)
 	n.await(time.Minute, "the node condition False, ImagesLost", func() bool { return strings.HasPrefix(n.condition(), "False ImagesLost") })

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -289,7 +288,7 @@ func k3sBenchBootOnce(t *testing.T, bin string, withPinning bool, set k3sBenchSe
 
 // benchNetwork gives the node the CRI network config of the bench: a loopback network in a dir of
 // its own, so that the CRI reports its network ready and the node goes Ready without a CNI.
-func (n *k3sNode) benchNetwork() {
+func (n *k3sServer) benchNetwork() {
 	cni := filepath.Join(n.dir, "cni")
 	n.writeFile(filepath.Join(cni, "net.d", "10-bench.conflist"), `{"cniVersion": "1.0.0", "name": "bench", "plugins": [{"type": "loopback"}]}`+"\n")
 	n.writeFile(filepath.Join(n.data, "agent", "etc", "containerd", "config-v3.toml.tmpl"), k3sContainerdTemplate+fmt.Sprintf(`
@@ -422,22 +421,16 @@ func klogTime(line string, near time.Time) (time.Time, bool) {
 
 // benchStart starts `k3s server` with the node's arguments, and nothing else: k3s-pinning's
 // defaults, or --disable-image-pinning. It returns when k3s started.
-func (n *k3sNode) benchStart() time.Time {
+func (n *k3sServer) benchStart() time.Time {
 	n.t.Helper()
-	n.starts++
-	cmd := exec.Command(filepath.Join(n.bin, "k3s"), n.k3sServerArgs()...)
-	cmd.Env = append(os.Environ(), "PATH="+n.bin+":"+os.Getenv("PATH"))
-	start := time.Now()
-	n.startLogged(cmd, filepath.Join(n.dir, fmt.Sprintf("k3s-%d.log", n.starts)))
-	n.cmd = cmd
-	n.logs = append(n.logs, n.log)
+	start := n.launch(n.k3sServerArgs())
 	n.awaitContainerd(5 * time.Minute)
 	return start
 }
 
 // loaded says whether containerd holds every ref, each pinned when k3s-pinning runs; from one
 // list of the image store.
-func (n *k3sNode) loaded(refs []string) bool {
+func (n *k3sServer) loaded(refs []string) bool {
 	imgs, err := n.client.ImageService().List(n.ctx)
 	if err != nil {
 		return false
@@ -458,7 +451,7 @@ func (n *k3sNode) loaded(refs []string) bool {
 // (the Node keeps the previous run's Ready until then), and returns the time since start. It reads
 // the Node from the API server every 50 ms: polling kubectl (a process per look) gave steps of
 // about 0.4 s, coarser than the warm restarts' differences.
-func (n *k3sNode) awaitReady(start time.Time) time.Duration {
+func (n *k3sServer) awaitReady(start time.Time) time.Duration {
 	n.t.Helper()
 	api := n.apiClient()
 	n.awaitEvery(30*time.Minute, 50*time.Millisecond, "the node Ready", func() bool { return n.readySince(api, start) })
@@ -467,7 +460,7 @@ func (n *k3sNode) awaitReady(start time.Time) time.Duration {
 
 // apiClient is an HTTPS client of the node's API server (127.0.0.1:6443, as the kubeconfig k3s
 // writes has it) with k3s's admin client certificate.
-func (n *k3sNode) apiClient() *http.Client {
+func (n *k3sServer) apiClient() *http.Client {
 	n.t.Helper()
 	tlsDir := filepath.Join(n.data, "server", "tls")
 	cert, err := tls.LoadX509KeyPair(filepath.Join(tlsDir, "client-admin.crt"), filepath.Join(tlsDir, "client-admin.key"))
@@ -490,7 +483,7 @@ func (n *k3sNode) apiClient() *http.Client {
 // readySince says whether the Node's Ready condition is True with a heartbeat at or after since.
 // Heartbeats are whole seconds: one in since's own second can only be the previous k3s's (no
 // kubelet of this start posts that soon), so it is before since, not counted.
-func (n *k3sNode) readySince(api *http.Client, since time.Time) bool {
+func (n *k3sServer) readySince(api *http.Client, since time.Time) bool {
 	resp, err := api.Get("https://127.0.0.1:6443/api/v1/nodes/" + k3sNodeName)
 	if err != nil {
 		return false
