@@ -31,3 +31,12 @@ func TestDaemonHasNoClientset(t *testing.T) {
 	Forbid(t, "github.com/k3s-pinning/k3s-pinning/cmd/k3s-pinning",
 		[]string{"k8s.io/client-go/kubernetes", "k8s.io/client-go/informers", "k8s.io/client-go/listers", "k8s.io/client-go/applyconfigurations"}, nil)
 }
+
+// The image list is containerd's answer decoded, nothing more: no other package of this module,
+// no logger, no client of anything but containerd's gRPC connection.
+func TestImageListStandsAlone(t *testing.T) {
+	Forbid(t, "github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist",
+		[]string{"github.com/k3s-pinning/k3s-pinning/pkg/agent/images", "github.com/k3s-pinning/k3s-pinning/pkg/pinning",
+			"github.com/k3s-pinning/k3s-pinning/pkg/airgap", "github.com/k3s-pinning/k3s-pinning/internal", "k8s.io", "github.com/prometheus"},
+		[]string{"github.com/sirupsen/logrus", "github.com/containerd/log"})
+}

@@ -43,6 +43,7 @@ import (
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -76,7 +77,7 @@ func Services(client *containerd.Client) Containerd {
 	cd := Containerd{Images: client.ImageService(), Content: client.ContentStore(), Leases: client.LeasesService(), Events: client}
 	if conn, ok := client.Conn().(*grpc.ClientConn); ok {
 		cd.CRI = runtimeapi.NewImageServiceClient(conn)
-		cd.Images = streamedImages{Store: cd.Images, conn: conn}
+		cd.Images = imagelist.NewStore(cd.Images, conn)
 	}
 	return cd
 }

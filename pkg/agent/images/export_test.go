@@ -3,11 +3,9 @@ package images
 import (
 	"context"
 	"io"
-	"slices"
 	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
-	"github.com/containerd/containerd/v2/core/images"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
@@ -17,16 +15,6 @@ func SetWriterStalled(t interface{ Cleanup(func()) }, d time.Duration) {
 	old := writerStalled
 	writerStalled = d
 	t.Cleanup(func() { writerStalled = old })
-}
-
-// ListRecords is the store's list as a sync keeps it (listRecords), each record as containerd's
-// client gives one.
-func ListRecords(ctx context.Context, store images.Store) ([]images.Image, error) {
-	rs, err := listRecords(ctx, store)
-	if err != nil {
-		return nil, err
-	}
-	return slices.Collect(rs.images()), nil
 }
 
 // HeadReaderAt is the reader the import answers a blob it committed with: data, the blob's first

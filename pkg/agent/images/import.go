@@ -102,7 +102,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeCach
 			source = idx.Archive.Name()
 		}
 		names := im.digestRefs.references(img.Name, img.Target.Digest, im.extraRegistries)
-		whole := imported || snap.lookup // a sync's listed target lacks its annotations (listedImage)
+		whole := imported || snap.lookup // a sync's listed target lacks its annotations (imagelist.Record)
 		identified := false              // the image's ID record is there: its names are made as the CRI marks them
 		for _, name := range names {
 			// As the snapshot has it (a restore's asks now: a Get, not a Create refused and a Get).

@@ -477,7 +477,7 @@ func TestTouchedAfterAFirstSyncIsNotImported(t *testing.T) {
 // TestReferenceMadeBesideAPresentOneIsWhole: a reference the store lacks beside one it holds (a
 // deleted repo@digest) is made again without an import, pointing at the target exactly as
 // containerd's import wrote it for the name beside it, annotations too: the sync's list keeps
-// targets without them (listedImage), and a reference made from it must not be poorer.
+// targets without them (imagelist.Record), and a reference made from it must not be poorer.
 func TestReferenceMadeBesideAPresentOneIsWhole(t *testing.T) {
 	n := newNode(t)
 	writeArchive(t, n.imagesDir, archiveCase{file: "app.tar", refs: []string{"acc.example/app:1.0"}})

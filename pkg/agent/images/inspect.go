@@ -9,6 +9,7 @@ import (
 
 	"github.com/containerd/containerd/v2/core/images"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -51,7 +52,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	sv := a.survey()
-	all, err := listRecords(ctx, a.cd.Images)
+	all, err := imagelist.List(ctx, a.cd.Images)
 	if err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
 	}
@@ -76,7 +77,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 		snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(sv.errs[ar.Name()])...)
 	}
 	present := map[string]bool{}
-	for img := range all.images() {
+	for img := range all.Images() {
 		if isImageIDRecord(img.Name) {
 			continue
 		}

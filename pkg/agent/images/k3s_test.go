@@ -118,7 +118,7 @@ func TestStartTakesOverTheImagesDir(t *testing.T) {
 	workloads := make(chan func(agentimages.WorkloadImages), 1) // the agent's update, handed to the watcher
 	keeper, done, err := k3spinning.Start(ctx, k3spinning.Config{Address: n.daemon.Address, ImagesDir: n.imagesDir,
 		ExtraRegistries: []string{"mirror.local:5000"}, Reporter: rec,
-		Settings: k3spinning.Settings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}}},
+		Settings: k3spinning.Settings{PolicyValues: agentimages.PolicyValues{PinnedWorkloadImages: true, WorkloadNamespaces: []string{"tenant"}, FetchMaxDiskUsage: anyDiskUsage}},
 		WatchWorkloads: func(ctx context.Context, scope agentimages.WorkloadScope, update func(agentimages.WorkloadImages)) {
 			if !slices.Equal(scope.Namespaces, []string{"tenant"}) {
 				t.Errorf("the workload watcher was given the namespaces %q, want [tenant]", scope.Namespaces)

@@ -28,6 +28,11 @@ type node struct {
 	imagesDir string
 }
 
+// anyDiskUsage is --fetch-max-disk-usage for the tests whose point is not the disk: a new
+// workload pin is held back while the image filesystem is above it, and the test's containerd
+// keeps its images on this machine's disk, whatever else fills it.
+const anyDiskUsage = 100
+
 func newNode(t *testing.T) *node {
 	t.Helper()
 	return newNodeWith(t, containerdtest.Options{})

@@ -10,6 +10,7 @@ import (
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -278,7 +279,7 @@ func (k *Keeper) wanted(name string) bool {
 
 // publish makes plan, resolved against the images containerd holds (listed; nil before the
 // first list), the answer of Keep.
-func (k *Keeper) publish(plan *Plan, listed imageRecords) {
+func (k *Keeper) publish(plan *Plan, listed imagelist.Records) {
 	set := &keepSet{plan: plan, names: map[string]bool{}, ids: map[string]bool{}}
 	// A name already in the set is not stored again: storing an equal string key replaces the
 	// key, and the set would then hold the list's copy of each name (decoded from containerd's
@@ -293,7 +294,7 @@ func (k *Keeper) publish(plan *Plan, listed imageRecords) {
 		keep(plan.digestRefs.of(ref, plan.digests[ref]))
 	}
 	targets := map[digest.Digest]bool{}
-	for img := range listed.images() {
+	for img := range listed.Images() {
 		if isImageIDRecord(img.Name) {
 			continue
 		}

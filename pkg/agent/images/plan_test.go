@@ -10,6 +10,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -182,7 +183,7 @@ func TestKeeperIsThePlan(t *testing.T) {
 	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: appImg.Target}
 	staleID := images.Image{Name: "sha256:" + testDigest("stale-config").Encoded(), Target: stale.Target}
 	k := &Keeper{}
-	k.publish(plan, recordsOf([]images.Image{appImg, stale, idRecord, staleID, image("acc.example/other:1", nil)}))
+	k.publish(plan, imagelist.Of([]images.Image{appImg, stale, idRecord, staleID, image("acc.example/other:1", nil)}))
 	for _, c := range []struct {
 		id          string
 		tags, dgsts []string
@@ -219,7 +220,7 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 		{Name: "registry.local/tool:9", Target: ocispec.Descriptor{Digest: testDigest("tool")}},
 	}
 	k := &Keeper{}
-	k.publish(plan, recordsOf(listed))
+	k.publish(plan, imagelist.Of(listed))
 	held := map[string]*byte{}
 	for name := range k.set.Load().names {
 		held[name] = unsafe.StringData(name)

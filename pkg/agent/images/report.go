@@ -10,6 +10,7 @@ import (
 
 	"github.com/containerd/containerd/v2/core/images"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -135,7 +136,7 @@ func (a *Agent) event(warning bool, reason, format string, args ...any) {
 // its keep-set from it: wanted
 // references it lacks are missing (lost ones stay lost until they come back), and each misspelled
 // pin label is reported once.
-func (a *Agent) trackListed(listed imageRecords) {
+func (a *Agent) trackListed(listed imagelist.Records) {
 	misspelled := map[string]string{}
 	for _, img := range listed {
 		if m := pinning.MisspelledPin(img.Labels); m != "" {
@@ -146,7 +147,7 @@ func (a *Agent) trackListed(listed imageRecords) {
 		}
 	}
 	a.track.misspelled = misspelled
-	names := func(ref string) bool { _, ok := listed.find(ref); return ok }
+	names := func(ref string) bool { _, ok := listed.Find(ref); return ok }
 	missing := map[string]bool{}
 	for ref := range a.plan.Provided() {
 		if !names(ref) {

@@ -173,7 +173,7 @@ func TestWorkloadImagesArePinnedAndReleased(t *testing.T) {
 	n.setLabel("acc.example/theirs:1.0", pinning.LabelPinned, pinning.PinnedValue) // not ours
 	state := filepath.Join(t.TempDir(), "state.json")
 	start := func() (*agentimages.Agent, func()) {
-		return n.startAgent(agentimages.Config{StateFile: state}, agentimages.RunOptions{ReconcileInterval: time.Hour})
+		return n.startAgent(agentimages.Config{StateFile: state, FetchMaxDiskUsage: anyDiskUsage}, agentimages.RunOptions{ReconcileInterval: time.Hour})
 	}
 	a, stop := start()
 	// As pod specs write them: short names too (docker.io/library/... is not used here).
@@ -228,7 +228,7 @@ func TestLostThatNothingWantsIsNotMissing(t *testing.T) {
 	writeArchive(t, filepath.Dir(handTar), archiveCase{file: "job.tar", refs: []string{hand}})
 	n.ctrImport(handTar)
 	rec := &recorder{}
-	a := n.runWith(agentimages.Config{Reporter: rec})
+	a := n.runWith(agentimages.Config{Reporter: rec, FetchMaxDiskUsage: anyDiskUsage})
 	a.SetWorkloadImages(namedByWorkloads(hand))
 	n.await(10*time.Second, hand+" pinned for its workload", func() bool { return n.pinnedLabel(hand) })
 	if out, err := exec.Command(n.daemon.Bin.Ctr, "-a", n.daemon.Address, "-n", "k8s.io", "images", "rm", hand).CombinedOutput(); err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/sirupsen/logrus"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -80,13 +81,13 @@ func (a *Agent) keepAsideUnreadable() error {
 // targets. Once the state is lost, that is all that is left of what the agent retained after an
 // archive left the images dir; a pin set for an archive that left while no agent ran, or whose
 // release was lost, looks the same. The agent cannot tell them apart, so it keeps both.
-func retainedFromPins(listed imageRecords, present []string, known *State) map[string]*ArchiveState {
+func retainedFromPins(listed imagelist.Records, present []string, known *State) map[string]*ArchiveState {
 	out := map[string]*ArchiveState{}
 	inDir := make(map[string]bool, len(present))
 	for _, name := range present {
 		inDir[name] = true
 	}
-	for img := range listed.images() {
+	for img := range listed.Images() {
 		src, ours := pinning.OwnPin(img.Labels)
 		if !ours || isImageIDRecord(img.Name) || !pinning.IsArchiveSource(src) || inDir[src] || known.Archives[src] != nil {
 			continue
@@ -117,7 +118,7 @@ func (s *State) retainWithPins(retained map[string]*ArchiveState) {
 
 // rebuildRetained, at the first sync after the state was lost, reads back from the pins in
 // listed what was retained, and says so.
-func (a *Agent) rebuildRetained(listed imageRecords) {
+func (a *Agent) rebuildRetained(listed imagelist.Records) {
 	retained := retainedFromPins(listed, a.present, a.state)
 	a.stateLost = false
 	if len(retained) == 0 {

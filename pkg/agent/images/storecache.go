@@ -18,6 +18,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/sirupsen/logrus"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -34,7 +35,7 @@ type storeCache struct {
 	lookup bool // a Get per reference and an Info per blob, no list
 	// listed are the image records as listed or got (sorted by name), once, which the sync's
 	// later passes take (take) rather than a copy; isListed: the store was listed.
-	listed   imageRecords
+	listed   imagelist.Records
 	isListed bool
 	content  *blobSet // nil until the content store is first walked
 	// compressed are the blobs labelled as the compression of a layer, by the layer's digest:
@@ -95,8 +96,8 @@ func (im *importer) image(ctx context.Context, snap *storeCache, ref string) (im
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	if snap.lookup {
-		if r, ok := snap.listed.find(ref); ok {
-			return r.image(), true, nil
+		if r, ok := snap.listed.Find(ref); ok {
+			return r.Image(), true, nil
 		}
 		img, err := im.cd.Images.Get(ctx, ref)
 		if errdefs.IsNotFound(err) {
@@ -105,14 +106,14 @@ func (im *importer) image(ctx context.Context, snap *storeCache, ref string) (im
 		if err != nil {
 			return images.Image{}, false, fmt.Errorf("image %s: %w", ref, err)
 		}
-		snap.listed = snap.listed.insert(listedImage{Name: img.Name, Labels: img.Labels, Target: &img.Target})
+		snap.listed = snap.listed.Insert(imagelist.Record{Name: img.Name, Labels: img.Labels, Target: &img.Target})
 		return img, true, nil
 	}
 	if err := im.listImages(ctx, snap); err != nil {
 		return images.Image{}, false, err
 	}
-	if r, ok := snap.listed.find(ref); ok {
-		return r.image(), true, nil
+	if r, ok := snap.listed.Find(ref); ok {
+		return r.Image(), true, nil
 	}
 	return images.Image{}, false, nil
 }
@@ -122,7 +123,7 @@ func (im *importer) listImages(ctx context.Context, snap *storeCache) error {
 	if snap.isListed {
 		return nil
 	}
-	listed, err := listRecords(ctx, im.cd.Images)
+	listed, err := imagelist.List(ctx, im.cd.Images)
 	if err != nil {
 		return fmt.Errorf("list images: %w", err)
 	}
@@ -145,7 +146,7 @@ func (im *importer) listFirst(ctx context.Context, snap *storeCache) {
 // take is the image store as a listed snapshot listed it, false if it never listed the store or
 // a load wrote to it since; either way the snapshot lets go of its lists, so that what the sync
 // does next (a list of the store after its loads, the keep-set, the state) does not hold them too.
-func (snap *storeCache) take() (imageRecords, bool) {
+func (snap *storeCache) take() (imagelist.Records, bool) {
 	snap.mu.Lock()
 	defer snap.mu.Unlock()
 	listed, ok := snap.listed, !snap.lookup && snap.isListed && !snap.written

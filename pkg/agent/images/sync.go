@@ -14,6 +14,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -186,7 +187,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 			a.rebuildRetained(listed)
 		}
 		a.admitWorkloads(ctx, listed)
-		pinned, err := a.pinner.PinWanted(ctx, listed.images(), a.plan.Source)
+		pinned, err := a.pinner.PinWanted(ctx, listed.Images(), a.plan.Source)
 		report.PolicyErr = errors.Join(err, a.releaseUnwanted(ctx, listed))
 		for _, ref := range slices.Sorted(maps.Keys(pinned)) {
 			if pinned[ref] == pinning.SourcePolicy {
@@ -238,9 +239,9 @@ func (a *Agent) Reconciled() time.Time {
 // recorded (release); this pass, at every sync, is what makes that converge when one was lost
 // (the agent stopped between the record and the release, containerd restarting, the state file
 // lost). Policy and manual pins are the operator's: they are not released here.
-func (a *Agent) releaseUnwanted(ctx context.Context, listed imageRecords) error {
+func (a *Agent) releaseUnwanted(ctx context.Context, listed imagelist.Records) error {
 	var errs []error
-	for img := range listed.images() {
+	for img := range listed.Images() {
 		src, ours := pinning.OwnPin(img.Labels)
 		if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || isImageIDRecord(img.Name) {
 			continue
@@ -282,11 +283,11 @@ func (a *Agent) setPlan() {
 // list when they wrote nothing (a warm restart: one list of the store, not two), else a fresh
 // one. A change by another writer since the snapshot is the events' to follow, as after any list.
 // The snapshot is done with: its loads have run.
-func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeCache, releases []release) (imageRecords, error) {
+func (a *Agent) storeAfterLoads(ctx context.Context, snap *storeCache, releases []release) (imagelist.Records, error) {
 	if listed, ok := snap.take(); ok && len(releases) == 0 {
 		return listed, nil
 	}
-	listed, err := listRecords(ctx, a.cd.Images)
+	listed, err := imagelist.List(ctx, a.cd.Images)
 	if err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
 	}

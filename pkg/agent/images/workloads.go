@@ -11,6 +11,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/sirupsen/logrus"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -27,7 +28,7 @@ import (
 // admitWorkloads decides which of the workloads' references the plan keeps, from listed (the
 // store as this sync listed it), and makes the plan again when that changed. Each reference
 // refused is reported once for each reason: an Event naming it, its workloads and the limit.
-func (a *Agent) admitWorkloads(ctx context.Context, listed imageRecords) {
+func (a *Agent) admitWorkloads(ctx context.Context, listed imagelist.Records) {
 	if a.workloadImages == nil {
 		return
 	}
@@ -37,7 +38,7 @@ func (a *Agent) admitWorkloads(ctx context.Context, listed imageRecords) {
 	}
 	pinnedFor := map[string]bool{}
 	present := map[string]digest.Digest{}
-	for img := range listed.images() {
+	for img := range listed.Images() {
 		if _, named := a.workloadImages[img.Name]; !named {
 			continue
 		}

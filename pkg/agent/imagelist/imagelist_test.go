@@ -1,18 +1,23 @@
-package images_test
+package imagelist_test
 
 import (
+	"context"
 	"fmt"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	containerdimages "github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"google.golang.org/grpc"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -21,8 +26,14 @@ import (
 // and without filters; and the records with the same labels share one map, those with the same
 // target one descriptor's strings: at 10,000 references the list was most of a sync's memory.
 func TestImageListIsContainerdsOwn(t *testing.T) {
-	n := newNode(t)
-	store := n.client.ImageService()
+	client, err := containerdtest.New(t, containerdtest.Options{}).Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	ctx, cancel := context.WithTimeout(namespaces.WithNamespace(context.Background(), pinning.DefaultNamespace), 5*time.Minute)
+	t.Cleanup(cancel)
+	store := client.ImageService()
 	target := func(i int, annotated bool) ocispec.Descriptor {
 		d := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageManifest, Digest: digest.FromString(fmt.Sprint("target", i)), Size: int64(100 + i)}
 		if annotated {
@@ -42,19 +53,19 @@ func TestImageListIsContainerdsOwn(t *testing.T) {
 			labels = map[string]string{"io.cri-containerd.image": "managed"}
 		}
 		for _, name := range []string{fmt.Sprintf("list.example/app%d:1.0", i), fmt.Sprintf("list.example/app%d@%s", i, target(i/2, i%3 == 0).Digest)} {
-			if _, err := store.Create(n.ctx, containerdimages.Image{Name: name, Labels: labels, Target: target(i/2, i%3 == 0)}); err != nil {
+			if _, err := store.Create(ctx, containerdimages.Image{Name: name, Labels: labels, Target: target(i/2, i%3 == 0)}); err != nil {
 				t.Fatal(err)
 			}
 		}
 	}
-	ours := images.Services(n.client).Images
+	ours := imagelist.NewStore(store, client.Conn().(*grpc.ClientConn))
 	byName := func(a, b containerdimages.Image) int { return strings.Compare(a.Name, b.Name) }
 	for _, filters := range [][]string{nil, {`name~="app1"`}, {`labels."io.cri-containerd.image"==managed`, `name~="@"`}, {`name==nothing.example/none:1`}} {
-		want, err := store.List(n.ctx, filters...)
+		want, err := store.List(ctx, filters...)
 		if err != nil {
 			t.Fatal(err)
 		}
-		got, err := ours.List(n.ctx, filters...)
+		got, err := ours.List(ctx, filters...)
 		if err != nil {
 			t.Fatalf("list %q: %v", filters, err)
 		}
@@ -70,11 +81,12 @@ func TestImageListIsContainerdsOwn(t *testing.T) {
 
 	// What a sync keeps: the same records in name order, without their times, each target
 	// without its annotations.
-	records, err := images.ListRecords(n.ctx, ours)
+	rs, err := imagelist.List(ctx, ours)
 	if err != nil {
 		t.Fatal(err)
 	}
-	want, err := store.List(n.ctx)
+	records := slices.Collect(rs.Images())
+	want, err := store.List(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +99,7 @@ func TestImageListIsContainerdsOwn(t *testing.T) {
 		t.Errorf("the sync's records differ from containerd's client's list:\n got  %+v\n want %+v", records, want)
 	}
 
-	all, err := ours.List(n.ctx)
+	all, err := ours.List(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

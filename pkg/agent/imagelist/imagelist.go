@@ -1,4 +1,10 @@
-package images
+// Package imagelist reads containerd's image store as the agent keeps it between the steps of a
+// sync: Records, one list sorted by name, each Record the name, the labels and the target of an
+// image record. Store lists containerd's answer one record at a time, sharing equal labels and
+// targets between records, where containerd's client decodes the whole answer at once, a labels
+// map per record; on a large store that was most of a sync's memory. It imports nothing of
+// k3s-pinning.
+package imagelist
 
 import (
 	"bytes"
@@ -26,21 +32,25 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-// streamedImages is containerd's image store on a daemon (Services) whose List decodes
-// containerd's answer one image at a time. containerd's Images.List has no pages: its answer holds
-// every image record of the namespace (three per reference: each tag, its repo@digest and the
-// CRI's sha256:<image ID>), and the client decodes all of it at once, every record with a labels
-// map of its own, while gRPC still holds the message: most of a large sync's peak memory.
-// Decoded one record at a time,
-// the records that carry the same labels share one map, and those with the same target one
-// descriptor: what a listed image's labels hold is shared, to be read and never written.
-type streamedImages struct {
+// Store is containerd's image store on a daemon whose List decodes containerd's answer one
+// image at a time. containerd's Images.List has no pages: its answer holds every image record of
+// the namespace (three per reference: each tag, its repo@digest and the CRI's
+// sha256:<image ID>), and the client decodes all of it at once, every record with a labels map of
+// its own, while gRPC still holds the message. Decoded one record at a time, the records that
+// carry the same labels share one map, and those with the same target one descriptor: what a
+// listed image's labels hold is shared, to be read and never written.
+type Store struct {
 	images.Store
 	conn *grpc.ClientConn
 }
 
+// NewStore is store, listed through conn (the connection of the client store is of).
+func NewStore(store images.Store, conn *grpc.ClientConn) Store {
+	return Store{Store: store, conn: conn}
+}
+
 // List is images.Store's List: containerd's client's answer, record for record.
-func (s streamedImages) List(ctx context.Context, filters ...string) ([]images.Image, error) {
+func (s Store) List(ctx context.Context, filters ...string) ([]images.Image, error) {
 	reply := imageList{full: true}
 	if err := s.list(ctx, &reply, filters); err != nil {
 		return nil, err
@@ -50,43 +60,44 @@ func (s streamedImages) List(ctx context.Context, filters ...string) ([]images.I
 		all = make([]images.Image, len(reply.records))
 	}
 	for i, r := range reply.records {
-		all[i] = r.image()
+		all[i] = r.Image()
 		all[i].CreatedAt, all[i].UpdatedAt = reply.created[i], reply.updated[i]
 	}
 	return all, nil
 }
 
-// records is the store's list as the agent keeps it (imageRecords).
-func (s streamedImages) records(ctx context.Context) (imageRecords, error) {
+// records is the store's list as the agent keeps it (Records).
+func (s Store) records(ctx context.Context) (Records, error) {
 	var reply imageList
 	if err := s.list(ctx, &reply, nil); err != nil {
 		return nil, err
 	}
-	return reply.records.sorted(), nil
+	return reply.records.Sorted(), nil
 }
 
-func (s streamedImages) list(ctx context.Context, reply *imageList, filters []string) error {
+func (s Store) list(ctx context.Context, reply *imageList, filters []string) error {
 	err := s.conn.Invoke(ctx, "/containerd.services.images.v1.Images/List", &imagesapi.ListImagesRequest{Filters: filters}, reply, grpc.ForceCodecV2(imageListCodec{}))
 	return errgrpc.ToNative(err)
 }
 
-// listRecords lists store (streamedImages' records; any other store's list, made records).
-func listRecords(ctx context.Context, store images.Store) (imageRecords, error) {
-	if s, ok := store.(streamedImages); ok {
+// List lists store as Records: a Store's decoded record by record, any other store's list made
+// into records.
+func List(ctx context.Context, store images.Store) (Records, error) {
+	if s, ok := store.(Store); ok {
 		return s.records(ctx)
 	}
 	all, err := store.List(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return recordsOf(all), nil
+	return Of(all), nil
 }
 
-// listedImage is an image record as the agent keeps a list of the store: what it reads of one, a
+// Record is an image record as the agent keeps a list of the store: what it reads of one, a
 // sixth of an images.Image (no target inline, no times), and the target without its annotations:
 // containerd's import annotates each image's with its name, a map per image. A sync holds three
 // records per reference from its start to its end.
-type listedImage struct {
+type Record struct {
 	Name   string
 	Labels map[string]string // shared by the records with the same labels: read, never written
 	// Target is the record's media type, digest, size and platform, shared by the records with
@@ -95,67 +106,67 @@ type listedImage struct {
 	Target *ocispec.Descriptor
 }
 
-// image is r as containerd's client gives a record, without its times (and, for a record of
-// records(), without its target's annotations).
-func (r listedImage) image() images.Image {
+// Image is r as containerd's client gives a record, without its times (and, for a record of
+// List, without its target's annotations).
+func (r Record) Image() images.Image {
 	return images.Image{Name: r.Name, Labels: r.Labels, Target: *r.Target}
 }
 
-// imageRecords is a list of the store, sorted by name: a name is found by a binary search, not a
+// Records is a list of the store, sorted by name: a name is found by a binary search, not a
 // map beside the list, which would cost as much again as the names.
-type imageRecords []listedImage
+type Records []Record
 
-// recordsOf is all as records (each target the one of all's image).
-func recordsOf(all []images.Image) imageRecords {
-	records := make(imageRecords, len(all))
+// Of is all as records (each target the one of all's image).
+func Of(all []images.Image) Records {
+	records := make(Records, len(all))
 	for i := range all {
-		records[i] = listedImage{Name: all[i].Name, Labels: all[i].Labels, Target: &all[i].Target}
+		records[i] = Record{Name: all[i].Name, Labels: all[i].Labels, Target: &all[i].Target}
 	}
-	return records.sorted()
+	return records.Sorted()
 }
 
-func byName(a, b listedImage) int { return strings.Compare(a.Name, b.Name) }
+func byName(a, b Record) int { return strings.Compare(a.Name, b.Name) }
 
-func named(r listedImage, name string) int { return strings.Compare(r.Name, name) }
+func named(r Record, name string) int { return strings.Compare(r.Name, name) }
 
-// sorted sorts rs by name (containerd lists in that order already: its bucket's keys) and
+// Sorted sorts rs by name (containerd lists in that order already: its bucket's keys) and
 // returns it.
-func (rs imageRecords) sorted() imageRecords {
+func (rs Records) Sorted() Records {
 	if !slices.IsSortedFunc(rs, byName) {
 		slices.SortFunc(rs, byName)
 	}
 	return rs
 }
 
-// find is the record named name.
-func (rs imageRecords) find(name string) (listedImage, bool) {
+// Find is the record named name.
+func (rs Records) Find(name string) (Record, bool) {
 	i, ok := slices.BinarySearchFunc(rs, name, named)
 	if !ok {
-		return listedImage{}, false
+		return Record{}, false
 	}
 	return rs[i], true
 }
 
-// insert adds r, which rs does not hold, in its place.
-func (rs imageRecords) insert(r listedImage) imageRecords {
+// Insert adds r, which rs does not hold, in its place.
+func (rs Records) Insert(r Record) Records {
 	i, _ := slices.BinarySearchFunc(rs, r.Name, named)
 	return slices.Insert(rs, i, r)
 }
 
-// images are the records as containerd's client gives them, one at a time.
-func (rs imageRecords) images() iter.Seq[images.Image] {
+// Images are the records as containerd's client gives them, one at a time.
+func (rs Records) Images() iter.Seq[images.Image] {
 	return func(yield func(images.Image) bool) {
 		for _, r := range rs {
-			if !yield(r.image()) {
+			if !yield(r.Image()) {
 				return
 			}
 		}
 	}
 }
 
-// imageList is Images.List's answer as streamedImages decodes it.
+// imageList is Images.List's answer as Store decodes it.
 type imageList struct {
-	records imageRecords
+	records Records
 	// full: the records' times (created, updated) and their targets whole are kept, for List.
 	full             bool
 	created, updated []time.Time
@@ -202,7 +213,7 @@ func (imageListCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	r := data.Reader()
 	defer r.Close()
 	if n > 0 {
-		reply.records = make(imageRecords, 0, n)
+		reply.records = make(Records, 0, n)
 		if reply.full {
 			reply.created, reply.updated = make([]time.Time, 0, n), make([]time.Time, 0, n)
 		}
@@ -299,8 +310,8 @@ func (l *imageList) decode(r bufferReader) error {
 // that have the same. containerd lists by name: the records of one image (name:tag, name@digest)
 // mostly come one after the other, and the last record's labels are compared before a key is
 // made for them.
-func (l *imageList) record(pb *imagesapi.Image) listedImage {
-	r := listedImage{Name: pb.Name}
+func (l *imageList) record(pb *imagesapi.Image) Record {
+	r := Record{Name: pb.Name}
 	if len(pb.Labels) > 0 {
 		if n := len(l.records); n > 0 && l.records[n-1].Labels != nil && maps.Equal(l.records[n-1].Labels, pb.Labels) {
 			r.Labels = l.records[n-1].Labels
