@@ -179,9 +179,10 @@ type Agent struct {
 func NewAgent(cd Containerd, cfg Config) *Agent {
 	refs := newDigestRefs()
 	a := &Agent{
-		cd:         cd,
-		cfg:        cfg,
-		importer:   &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries, digestRefs: refs},
+		cd:  cd,
+		cfg: cfg,
+		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries, digestRefs: refs,
+			writerStalled: defaultWriterStalled},
 		pinner:     pinning.NewPinner(cd.Images),
 		keeper:     &Keeper{},
 		metrics:    newMetrics(),

@@ -9,13 +9,8 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
-// SetWriterStalled sets how long the import waits on another writer that writes nothing, until
-// the test ends.
-func SetWriterStalled(t interface{ Cleanup(func()) }, d time.Duration) {
-	old := writerStalled
-	writerStalled = d
-	t.Cleanup(func() { writerStalled = old })
-}
+// SetWriterStalled sets how long a's imports wait on another writer that writes nothing.
+func SetWriterStalled(a *Agent, d time.Duration) { a.importer.writerStalled = d }
 
 // HeadReaderAt is the reader the import answers a blob it committed with: data, the blob's first
 // bytes, and past them the reader open gives.

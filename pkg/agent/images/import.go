@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images"
@@ -36,6 +37,8 @@ type importer struct {
 	pullLater func(ref string) error
 	// digestRefs is the agent's memo of repo@digest names.
 	digestRefs *digestRefs
+	// writerStalled is openWriter's patience with another writer of a ref (defaultWriterStalled).
+	writerStalled time.Duration
 }
 
 // errPullPending is the result of a list entry handed to the background: not an error of the

@@ -40,9 +40,9 @@ func (s layerIndexStore) ReaderAt(ctx context.Context, desc ocispec.Descriptor) 
 	return s.writes.ReaderAt(ctx, desc)
 }
 
-// writerStalled is how long another writer of a ref may write nothing before the import writes
-// the blob under a ref of its own (openWriter).
-var writerStalled = 10 * time.Second
+// defaultWriterStalled is how long another writer of a ref may write nothing before the import
+// writes the blob under a ref of its own (openWriter): a writer at work writes more often.
+const defaultWriterStalled = 10 * time.Second
 
 // openWriter opens a writer of cs with opts (whose ref is ref), and gets past a ref whose lock
 // containerd lost.
@@ -51,9 +51,9 @@ var writerStalled = 10 * time.Second
 // it returns the error and keeps the lock until it restarts. Every later writer of the ref is then
 // told it is locked, and containerd's client (content.OpenWriter) waits for as long as its context
 // lasts: a sync that never ends once the disk has room again (containerd 1.7 and 2.2 alike). A locked ref whose ingest containerd has no record of, or whose data has not
-// grown for writerStalled, is written under a ref of its own; a writer at work is waited for, as
-// the client does.
-func openWriter(ctx context.Context, cs content.Store, ref string, opts []content.WriterOpt) (content.Writer, error) {
+// grown for stalled, is written under a ref of its own; a writer at work is waited for, as the
+// client does.
+func openWriter(ctx context.Context, cs content.Store, ref string, opts []content.WriterOpt, stalled time.Duration) (content.Writer, error) {
 	w, err := cs.Writer(ctx, opts...)
 	if !errdefs.IsUnavailable(err) {
 		return w, err
@@ -68,13 +68,13 @@ func openWriter(ctx context.Context, cs content.Store, ref string, opts []conten
 		}
 		if st.Offset != offset {
 			offset, since = st.Offset, time.Now()
-		} else if time.Since(since) >= writerStalled {
+		} else if time.Since(since) >= stalled {
 			break
 		}
 		select {
 		case <-ctx.Done():
 			return nil, err
-		case <-time.After(writerStalled / 20):
+		case <-time.After(stalled / 20):
 		}
 		if w, err = cs.Writer(ctx, opts...); !errdefs.IsUnavailable(err) {
 			return w, err

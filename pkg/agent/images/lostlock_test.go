@@ -86,7 +86,6 @@ func lockedBlobNode(t *testing.T) (n *node, name string, data []byte, holder con
 // record aborted, as the failed transaction leaves it), or with one that writes nothing. The
 // sync imports the archive all the same, within a minute.
 func TestImportGetsPastALostLock(t *testing.T) {
-	images.SetWriterStalled(t, time.Second)
 	for _, lost := range []string{"no-ingest", "stalled"} {
 		t.Run(lost, func(t *testing.T) {
 			n, name, data, holder := lockedBlobNode(t)
@@ -104,7 +103,9 @@ func TestImportGetsPastALostLock(t *testing.T) {
 			}
 			ctx, cancel := context.WithTimeout(n.ctx, time.Minute)
 			defer cancel()
-			if err := n.agent(nil).Sync(ctx).Err(); err != nil {
+			a := n.agent(nil)
+			images.SetWriterStalled(a, time.Second)
+			if err := a.Sync(ctx).Err(); err != nil {
 				t.Fatalf("sync with the lock of %s held: %v", ref, err)
 			}
 			if present, pinned := n.criPinned("acc.example/app:1.0"); !present || !pinned {
@@ -121,7 +122,6 @@ func TestImportGetsPastALostLock(t *testing.T) {
 // containerd's client waits, not written a second time beside it: the writer commits the blob,
 // and the import finds it there.
 func TestImportWaitsForAWriterAtWork(t *testing.T) {
-	images.SetWriterStalled(t, time.Second)
 	n, name, data, holder := lockedBlobNode(t)
 	ref := "tar-" + name
 	committed := make(chan error, 1)
@@ -139,7 +139,9 @@ func TestImportWaitsForAWriterAtWork(t *testing.T) {
 	}()
 	ctx, cancel := context.WithTimeout(n.ctx, time.Minute)
 	defer cancel()
-	if err := n.agent(nil).Sync(ctx).Err(); err != nil {
+	a := n.agent(nil)
+	images.SetWriterStalled(a, time.Second)
+	if err := a.Sync(ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
 	if err := <-committed; err != nil {

@@ -239,7 +239,7 @@ func (ai *archiveImport) writer(ctx context.Context, cs content.Store, opts []co
 		// An OCI layout's index.json, or the index containerd writes for a docker archive.
 		return &indexWriter{ai: ai, ref: wo.Ref, digester: digest.Canonical.Digester()}, nil
 	}
-	w, err := openWriter(ctx, cs, wo.Ref, opts)
+	w, err := openWriter(ctx, cs, wo.Ref, opts, ai.im.writerStalled)
 	if err != nil {
 		return nil, err
 	}
