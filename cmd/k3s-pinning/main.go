@@ -17,6 +17,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/k3spinning"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -49,7 +50,7 @@ func commonFlags(o *options) []cli.Flag {
 		&cli.StringFlag{Name: "containerd-address", Value: "/run/k3s/containerd/containerd.sock", Usage: "containerd socket (k3s's own by default)", Destination: &o.address},
 		&cli.StringFlag{Name: "images-dir", Value: images.DefaultImagesDir, Usage: "air-gap images dir", Destination: &o.imagesDir},
 		&cli.StringFlag{Name: "namespace", Value: pinning.DefaultNamespace, Usage: "containerd namespace (the CRI uses k8s.io)", Destination: &o.namespace},
-		&cli.StringFlag{Name: "state-file", Value: images.DefaultStateFile, Usage: "what each archive provided, kept across restarts (outside the images dir)", Destination: &o.stateFile},
+		&cli.StringFlag{Name: "state-file", Value: statefile.DefaultPath, Usage: "what each archive provided, kept across restarts (outside the images dir)", Destination: &o.stateFile},
 		&cli.StringSliceFlag{Name: "airgap-extra-registry", Usage: "also tag imported images under this registry, as k3s --airgap-extra-registry does", Destination: &o.extraRegistries},
 	}, k3spinning.PolicyFlags(&o.policy, "K3S")...)
 }

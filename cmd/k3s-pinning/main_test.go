@@ -14,7 +14,7 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
@@ -99,10 +99,10 @@ func (p *agentProcess) stop(t *testing.T) {
 
 // awaitState waits up to 20 s for the state file at path to satisfy cond (an unreadable or
 // missing file is the empty state), and fails naming what with the process's stderr.
-func (p *agentProcess) awaitState(t *testing.T, path, what string, cond func(*images.State) bool) {
+func (p *agentProcess) awaitState(t *testing.T, path, what string, cond func(*statefile.State) bool) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
-	for s, _ := images.LoadState(path); !cond(s); s, _ = images.LoadState(path) {
+	for s, _ := statefile.Load(path); !cond(s); s, _ = statefile.Load(path) {
 		if time.Now().After(deadline) {
 			t.Fatalf("not within 20 s: %s\n%s", what, p.stderr.String())
 		}

@@ -15,7 +15,7 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
-	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
@@ -139,7 +139,7 @@ func TestRunExitsWhenItsSocketMountGoesStale(t *testing.T) {
 	t.Cleanup(func() { syscall.Unmount(mounted, syscall.MNT_DETACH) })
 	state := filepath.Join(t.TempDir(), "state.json")
 	agent := startRun(t, "--containerd-address", mounted, "--images-dir", imagesDir, "--state-file", state)
-	agent.awaitState(t, state, "app.tar loaded through the mounted socket", func(s *images.State) bool { return s.Archives["app.tar"] != nil })
+	agent.awaitState(t, state, "app.tar loaded through the mounted socket", func(s *statefile.State) bool { return s.Archives["app.tar"] != nil })
 	if err := d.Restart(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 )
@@ -32,7 +33,7 @@ func TestCorruptStateFileKeepsRetainedImages(t *testing.T) {
 	// awaitRetained waits for the state file to retain apps.tar's tag, pinned as status shows it.
 	awaitRetained := func(p *agentProcess, what string) {
 		t.Helper()
-		p.awaitState(t, state, what+": apps.tar retained in the state file", func(s *images.State) bool {
+		p.awaitState(t, state, what+": apps.tar retained in the state file", func(s *statefile.State) bool {
 			return s.Retained["apps.tar"] != nil && s.Retained["apps.tar"].Refs["acc.example/app:1.0"] != ""
 		})
 		out, _, code := run(t, append([]string{"status", "-o", "json"}, common...)...)
@@ -57,7 +58,7 @@ func TestCorruptStateFileKeepsRetainedImages(t *testing.T) {
 	}
 
 	first := startRun(t, runArgs...)
-	first.awaitState(t, state, "apps.tar loaded", func(s *images.State) bool { return s.Archives["apps.tar"] != nil })
+	first.awaitState(t, state, "apps.tar loaded", func(s *statefile.State) bool { return s.Archives["apps.tar"] != nil })
 	if err := os.Remove(apps); err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +74,7 @@ func TestCorruptStateFileKeepsRetainedImages(t *testing.T) {
 	if log := second.stderr.String(); strings.Contains(log, "unpinned acc.example/app") {
 		t.Errorf("the restart unpinned a retained image:\n%s", log)
 	}
-	aside := images.SetAsideStateFiles(state)
+	aside := statefile.SetAsideFiles(state)
 	if len(aside) != 1 {
 		t.Fatalf("kept aside: %v, want the corrupt file", aside)
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 )
 
 // statusCommand is `k3s-pinning status`: every reference of this node, or with --cluster every
@@ -68,7 +69,7 @@ func statusCommand(o *options, stdout io.Writer) *cli.Command {
 }
 
 // printRunStatus shows what the running agent (`run`) last recorded in the state file.
-func printRunStatus(w io.Writer, v images.RunStatus) {
+func printRunStatus(w io.Writer, v statefile.RunStatus) {
 	if v.LastReconcile.IsZero() {
 		fmt.Fprintln(w, "agent: no reconcile recorded in the state file")
 		return

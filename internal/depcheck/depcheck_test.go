@@ -40,3 +40,12 @@ func TestImageListStandsAlone(t *testing.T) {
 			"github.com/k3s-pinning/k3s-pinning/pkg/airgap", "github.com/k3s-pinning/k3s-pinning/internal", "k8s.io", "github.com/prometheus"},
 		[]string{"github.com/sirupsen/logrus", "github.com/containerd/log"})
 }
+
+// The state file is a file: no containerd client, no gRPC, no Kubernetes, no other package of the
+// agent.
+func TestStateFileIsAFile(t *testing.T) {
+	Forbid(t, "github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile",
+		[]string{"github.com/containerd/containerd/v2/client", "google.golang.org/grpc", "k8s.io", "github.com/prometheus",
+			"github.com/k3s-pinning/k3s-pinning/pkg/agent/images", "github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"},
+		[]string{"github.com/sirupsen/logrus"})
+}

@@ -35,6 +35,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -1411,7 +1412,7 @@ func (c *cluster) fleet(r *clusterReport, ready time.Time) {
 		// (the race of the two is TestArchiveRemovedJustBeforeItsImageIsDeleted's).
 		state := filepath.Join(agent1.data, "agent", "k3s-pinning", "state.json")
 		agent1.await(time.Minute, clusterSharedArchive+" retained in "+agent1.name+"'s state", func() bool {
-			s, err := agentimages.LoadState(state)
+			s, err := statefile.Load(state)
 			return err == nil && s.Retained[clusterSharedArchive] != nil && s.Retained[clusterSharedArchive].Refs[clusterSharedRef] != ""
 		})
 	}

@@ -9,18 +9,19 @@
 //     digestref.go (repo@digest names), workloads.go (what the workloads may add);
 //   - the loader, archive to containerd: import.go (Load), tarball.go (an archive's blobs),
 //     layerindex.go (the content store as containerd's import reads it), storecache.go (the stores,
-//     listed once), imagelist.go (containerd's image list, decoded record by record), listpull.go
-//     (the .txt lists, pulled through the CRI);
+//     listed once, as package imagelist reads the image store), listpull.go (the .txt lists,
+//     pulled through the CRI);
 //   - the agent: agent.go (Agent, Config), sync.go (Sync), run.go (Run: events, restore, the
 //     images dir), fetch.go and pullguard.go (fetching by digest, within the disk's room),
 //     imagefs.go, manual.go (pin and unpin), k3spins.go (stock k3s's pins adopted), leases.go;
-//   - what it keeps and tells: state.go and statelost.go (the state file), report.go (Reporter,
-//     Events, the protection), inspect.go (Inspect, for status and doctor), metrics.go;
+//   - what it keeps and tells: state.go and statelost.go (saving the state, rebuilding a lost one;
+//     the file is package statefile's), report.go (Reporter, Events, the protection), inspect.go
+//     (Inspect, for status and doctor), metrics.go;
 //   - connect.go: the containerd connection, every call bounded;
 //   - policyvalues.go: the flags' values and names (the flags themselves are pkg/k3spinning's).
 //
 // It is larger than one package should be; the keep-decision and the loader are to become
-// packages of their own.
+// packages of their own, as the image list (imagelist) and the state file (statefile) are.
 package images
 
 import (
@@ -44,6 +45,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -88,7 +90,7 @@ type Config struct {
 	ImagesDir       string
 	Policy          *pinning.Policy
 	ExtraRegistries []string
-	// StateFile keeps what each archive provided across restarts (DefaultStateFile for the
+	// StateFile keeps what each archive provided across restarts (statefile.DefaultPath for the
 	// daemon). Empty: the state lives in memory only, and each process starts by re-indexing.
 	StateFile string
 	// Reporter, when set, is told the agent's events and the node's protection (the cluster
@@ -130,7 +132,7 @@ type Agent struct {
 	digestRefs *digestRefs
 
 	mu    sync.Mutex // guards what follows
-	state *State
+	state *statefile.State
 	// present and read are the images dir as last surveyed: archive names, and the indexes read
 	// from them (an archive that could not be read is absent from read).
 	present []string
@@ -167,7 +169,7 @@ type Agent struct {
 	stateUnreadable error
 	stateSeen       os.FileInfo
 	// savedWork is what the last save wrote of the agent's waiting work (saveViewChange).
-	savedWork RunStatus
+	savedWork statefile.RunStatus
 	// pulls are the list entries Run pulls in the background (nil outside Run).
 	pulls *listPulls
 	// reconciled is when this process's last full sync ended (unix nanoseconds; 0: none yet),
@@ -254,7 +256,7 @@ func (a *Agent) SetWorkloadImages(imgs WorkloadImages) {
 func (a *Agent) replan() { a.plan = a.newPlan(a.present, a.read) }
 
 // View is the agent's own view (last reconcile, restores, failures).
-func (a *Agent) View() RunStatus {
+func (a *Agent) View() statefile.RunStatus {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.state.Agent

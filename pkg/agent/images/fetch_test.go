@@ -19,6 +19,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -194,7 +195,7 @@ func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
 		t.Fatal(err)
 	}
 	n.await(10*time.Second, "kept.tar retained in the state file", func() bool {
-		s, _ := agentimages.LoadState(state)
+		s, _ := statefile.Load(state)
 		return s.Retained["kept.tar"] != nil && s.Archives["kept.tar"] == nil
 	})
 	for _, ref := range []string{tag, byDigest} {
@@ -242,7 +243,7 @@ func TestRetainedArchiveStaysPinnedAndIsFetched(t *testing.T) {
 			t.Errorf("%s still pinned after unpin", ref)
 		}
 	}
-	if s, _ := agentimages.LoadState(state); s.Retained["kept.tar"] != nil {
+	if s, _ := statefile.Load(state); s.Retained["kept.tar"] != nil {
 		t.Errorf("kept.tar still retained after unpin: %+v", s.Retained["kept.tar"])
 	}
 }
@@ -293,7 +294,7 @@ func TestFetchEndsWhenNothingWantsIt(t *testing.T) {
 	a.SetWorkloadImages(namedByWorkloads(ref))
 	n.await(30*time.Second, "a first failed fetch of "+ref, func() bool { return a.View().FetchesFailed >= 1 })
 	n.await(10*time.Second, "the state file showing the failure", func() bool {
-		s, err := agentimages.LoadState(state)
+		s, err := statefile.Load(state)
 		return err == nil && s.Agent.FetchErrors[ref] != ""
 	})
 	written, err := os.Stat(state)
@@ -315,7 +316,7 @@ func TestFetchEndsWhenNothingWantsIt(t *testing.T) {
 	if after := pulls.Load(); after != before {
 		t.Errorf("%d pull(s) of %s after nothing wanted it", after-before, ref)
 	}
-	if s, _ := agentimages.LoadState(state); s.Agent.FetchErrors[ref] != "" {
+	if s, _ := statefile.Load(state); s.Agent.FetchErrors[ref] != "" {
 		t.Errorf("the state file still shows the dropped fetch's error: %v", s.Agent.FetchErrors)
 	}
 }

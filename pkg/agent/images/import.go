@@ -19,6 +19,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/internal/fault"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -89,7 +90,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeCach
 		}
 		targets, imported = indexed(all, idx), true
 		snap.wrote()
-		faultPoint("import") // content imported, no reference created yet
+		fault.Point("import") // content imported, no reference created yet
 		targets, failed = im.checkImported(ctx, targets, writes)
 	}
 	for _, f := range failed {

@@ -26,6 +26,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -440,7 +441,7 @@ func TestTouchedAfterAFirstSyncIsNotImported(t *testing.T) {
 		}
 		recorded := func(when string, digest func(name string) digest.Digest) {
 			t.Helper()
-			st, err := images.LoadState(state)
+			st, err := statefile.Load(state)
 			if err != nil {
 				t.Fatal(err)
 			}

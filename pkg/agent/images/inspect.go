@@ -10,6 +10,7 @@ import (
 	"github.com/containerd/containerd/v2/core/images"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -34,7 +35,7 @@ type Inspection struct {
 	Misspelled    []Misspelling
 	Conflicts     []Conflict // references two archives provide with different images
 	// Agent is the view of the running agent, from the state file (zero when none ran).
-	Agent RunStatus
+	Agent statefile.RunStatus
 	// StateUnreadable is why the state file cannot be read, while it is where it was; the agent
 	// sets it aside at its next save. StateSetAside are the unreadable state files kept aside.
 	StateUnreadable string
@@ -58,11 +59,11 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	}
 	in := a.planInput(sv.present, sv.read)
 	if a.stateLost { // as the next sync will rebuild it
-		retained := &State{Retained: map[string]*ArchiveState{}}
+		retained := &statefile.State{Retained: map[string]*statefile.Archive{}}
 		for name, rec := range in.retained {
-			retained.Retained[name] = &ArchiveState{Refs: maps.Clone(rec.Refs)}
+			retained.Retained[name] = &statefile.Archive{Refs: maps.Clone(rec.Refs)}
 		}
-		retained.retainWithPins(retainedFromPins(all, sv.present, a.state))
+		retainWithPins(retained, retainedFromPins(all, sv.present, a.state))
 		in.retained = retained.Retained
 	}
 	plan := newPlan(in)
@@ -71,7 +72,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 		snap.StateUnreadable = a.stateUnreadable.Error()
 	}
 	if a.cfg.StateFile != "" {
-		snap.StateSetAside = SetAsideStateFiles(a.cfg.StateFile)
+		snap.StateSetAside = statefile.SetAsideFiles(a.cfg.StateFile)
 	}
 	for _, ar := range sv.archives {
 		snap.ArchiveErrors = append(snap.ArchiveErrors, flatten(sv.errs[ar.Name()])...)

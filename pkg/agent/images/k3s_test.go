@@ -20,6 +20,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/k3spinning"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -210,7 +211,7 @@ func TestStartTakesOverTheImagesDir(t *testing.T) {
 	}
 	// The list was satisfied by the tarball (no pull: acc.example does not resolve here), nothing
 	// failed, and k3s's .cache.json is neither read as an archive nor written.
-	state, err := agentimages.LoadState(filepath.Join(filepath.Dir(n.imagesDir), "k3s-pinning", "state.json"))
+	state, err := statefile.Load(filepath.Join(filepath.Dir(n.imagesDir), "k3s-pinning", "state.json"))
 	if err != nil {
 		t.Fatal(err)
 	}

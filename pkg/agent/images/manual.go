@@ -13,6 +13,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/sirupsen/logrus"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -52,8 +53,8 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 	if a.cfg.StateFile == "" {
 		err = unpin()
 	} else {
-		err = withStateLock(a.cfg.StateFile, func() error {
-			fresh, err := LoadState(a.cfg.StateFile)
+		err = statefile.WithLock(a.cfg.StateFile, func() error {
+			fresh, err := statefile.Load(a.cfg.StateFile)
 			if err != nil {
 				// Which names a retained archive gave the image is in the file alone: without
 				// them the running agent would pin the others again, and this process must not
@@ -68,7 +69,7 @@ func (a *Agent) UnpinManual(ctx context.Context, ref string) (wantedBy string, e
 			if err := unpin(); err != nil || len(dropped) == 0 {
 				return err
 			}
-			return fresh.write(a.cfg.StateFile)
+			return fresh.WriteLocked(a.cfg.StateFile)
 		})
 	}
 	if err != nil {
@@ -110,7 +111,7 @@ func (a *Agent) reloadRetained() {
 	if a.cfg.StateFile == "" || a.state.Agent.StateError != "" || len(a.state.Retained) == 0 {
 		return
 	}
-	s, err := LoadState(a.cfg.StateFile)
+	s, err := statefile.Load(a.cfg.StateFile)
 	if err != nil {
 		return
 	}

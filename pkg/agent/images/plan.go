@@ -11,6 +11,7 @@ import (
 	"github.com/opencontainers/go-digest"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -55,12 +56,12 @@ type planInput struct {
 	// read are the indexes read from present archives this time; an archive missing here (it
 	// cannot be read now) claims what it recorded: a damaged file never drops protection.
 	read            map[string]*airgap.Index
-	recorded        map[string]*ArchiveState
+	recorded        map[string]*statefile.Archive
 	policy          *pinning.Policy
 	extraRegistries []string
 	workloads       map[string]bool
 	// retained are the records of archives removed from the images dir that are kept.
-	retained map[string]*ArchiveState
+	retained map[string]*statefile.Archive
 	// digestRefs is the agent's memo of repo@digest names; nil: the plan makes its own.
 	digestRefs *digestRefs
 }
@@ -83,7 +84,7 @@ func newPlan(in planInput) *Plan {
 		p.recorded[name] = in.recorded[name] != nil
 		idx := in.read[name]
 		if rec := in.recorded[name]; idx == nil && rec != nil {
-			idx = rec.index(airgap.Archive{Path: name}) // only its name is asked for
+			idx = rec.Index(airgap.Archive{Path: name}) // only its name is asked for
 		}
 		if idx != nil {
 			claims[name] = idx

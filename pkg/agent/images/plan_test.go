@@ -11,6 +11,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -21,8 +22,8 @@ func index(name string, format airgap.Format, imgs ...airgap.IndexedImage) *airg
 	return &airgap.Index{Archive: airgap.Archive{Path: "/images/" + name}, Format: format, Images: imgs}
 }
 
-func recorded(format airgap.Format, refs map[string]digest.Digest, imgs ...airgap.IndexedImage) *ArchiveState {
-	return &ArchiveState{Format: format, Refs: refs, Images: imgs}
+func recorded(format airgap.Format, refs map[string]digest.Digest, imgs ...airgap.IndexedImage) *statefile.Archive {
+	return &statefile.Archive{Format: format, Refs: refs, Images: imgs}
 }
 
 func image(name string, labels map[string]string) images.Image {
@@ -56,20 +57,20 @@ func TestPlan(t *testing.T) {
 			}},
 		{name: "a docker archive's digest reference, known from its recorded load",
 			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
-				recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+				recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
 			asks: []ask{{image("docker.io/library/app@"+manifestA.String(), nil), "a.tar"}}},
 		{name: "two archives provide a reference: the first by name is its source, whatever was loaded before",
 			in: planInput{present: []string{"b.tar", "a.tar"},
 				read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.DockerArchive, appB)},
 				// b.tar loaded app:1 before a.tar arrived
-				recorded: map[string]*ArchiveState{"b.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appB.Ref: testDigest("manifest-b")}, appB)}},
+				recorded: map[string]*statefile.Archive{"b.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appB.Ref: testDigest("manifest-b")}, appB)}},
 			asks: []ask{{image(appA.Ref, nil), "a.tar"}}},
 		{name: "an archive that cannot be read now keeps what it recorded",
 			in: planInput{present: []string{"damaged.tar"},
-				recorded: map[string]*ArchiveState{"damaged.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+				recorded: map[string]*statefile.Archive{"damaged.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
 			asks: []ask{{image(appA.Ref, nil), "damaged.tar"}}},
 		{name: "an archive that left wants nothing, even with its record and our pin",
-			in:   planInput{recorded: map[string]*ArchiveState{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+			in:   planInput{recorded: map[string]*statefile.Archive{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
 			asks: []ask{{image(appA.Ref, pinning.PinLabels("gone.tar")), ""}}},
 		{name: "our pin: a reference of an archive still present whose load is not recorded yet, or a manual pin, stays wanted",
 			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
@@ -80,7 +81,7 @@ func TestPlan(t *testing.T) {
 			}},
 		{name: "an archive whose load is recorded wants what it provides, not what it pinned before (issue 23)",
 			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
-				recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+				recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
 			asks: []ask{
 				{image("docker.io/library/app@"+manifestA.String(), pinning.PinLabels("a.tar")), "a.tar"},
 				{image("docker.io/library/app@"+testDigest("previous-manifest").String(), pinning.PinLabels("a.tar")), ""},
@@ -177,7 +178,7 @@ func TestKeeperIsThePlan(t *testing.T) {
 	manifest := testDigest("manifest")
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
 	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
-		recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+		recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
 	appImg := image(app.Ref, pinning.PinLabels("a.tar"))
 	stale := image("acc.example/stale:1", pinning.PinLabels("a.tar"))
 	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: appImg.Target}
@@ -211,7 +212,7 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 	manifest := testDigest("manifest")
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
 	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
-		recorded: map[string]*ArchiveState{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+		recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
 	target := ocispec.Descriptor{Digest: manifest}
 	digestName := "docker.io/library/app@" + manifest.String()
 	listed := []images.Image{ // as decoded from containerd's answer: strings of their own
@@ -306,8 +307,8 @@ func TestPlanFetchable(t *testing.T) {
 	in := planInput{
 		present:  []string{"present.tar"},
 		read:     map[string]*airgap.Index{"present.tar": index("present.tar", airgap.DockerArchive, airgap.IndexedImage{Ref: "registry.local/team/shared:1", Digest: other})},
-		recorded: map[string]*ArchiveState{},
-		retained: map[string]*ArchiveState{
+		recorded: map[string]*statefile.Archive{},
+		retained: map[string]*statefile.Archive{
 			"kept.tar": recorded(airgap.OCIArchive, map[string]digest.Digest{"registry.local/team/kept:1": kept, "registry.local/team/kept@" + kept.String(): kept, "registry.local/team/shared:1": kept}),
 		},
 		policy:    policy,

@@ -15,6 +15,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -147,10 +148,10 @@ func TestRunRestoresDeletedImageWithSameDigest(t *testing.T) {
 		t.Errorf("after restore: CRI present=%t pinned=%t", present, pinned)
 	}
 	// What status and doctor read, in other processes: the restore done, nothing left pending.
-	var view agentimages.RunStatus
+	var view statefile.RunStatus
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		st, err := agentimages.LoadState(stateFile)
+		st, err := statefile.Load(stateFile)
 		if view = st.Agent; err == nil && view.RestoresDone >= 1 && len(view.RestoresPending) == 0 {
 			break
 		}
@@ -180,19 +181,21 @@ func TestRunUnpinsWhenArchiveLeaves(t *testing.T) {
 	n.ctrImport(filepath.Join(hand, "hand.tar"))
 	n.setLabel("hand.example/mine:1.0", pinning.LabelPinned, pinning.PinnedValue) // the user's own pin
 	n.runAgent("", "acc.example/leaving:1.0", "acc.example/staying:1.0")
+	// The sync creates the repo@digest name a moment after the tag: waited for, or the removal
+	// below would check nothing for it.
 	digestRef := ""
-	all, err := n.client.ImageService().List(n.ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, img := range all {
-		if strings.HasPrefix(img.Name, "acc.example/leaving@") {
-			digestRef = img.Name
+	n.await(5*time.Second, "acc.example/leaving@sha256:... pinned by the first sync", func() bool {
+		all, err := n.client.ImageService().List(n.ctx)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	if digestRef == "" {
-		t.Fatal("no acc.example/leaving@sha256:... reference after the sync: the removal below would check nothing")
-	}
+		for _, img := range all {
+			if strings.HasPrefix(img.Name, "acc.example/leaving@") {
+				digestRef = img.Name
+			}
+		}
+		return digestRef != "" && n.pinnedLabel(digestRef)
+	})
 
 	if err := os.Remove(filepath.Join(n.imagesDir, "leaving.tar")); err != nil {
 		t.Fatal(err)
@@ -471,7 +474,7 @@ func TestStalePinsOfAnArchiveAreReleased(t *testing.T) {
 				t.Errorf("%s was deleted; it must only be unpinned, for the kubelet to collect", oldDigestRef)
 			}
 			if !replaced {
-				s, _ := agentimages.LoadState(state)
+				s, _ := statefile.Load(state)
 				for _, r := range []string{ref, oldDigestRef} {
 					if !n.pinnedLabel(r) || s.Retained["app.tar"] == nil || s.Retained["app.tar"].Refs[r] == "" {
 						t.Errorf("%s: pinned %t, retained for app.tar %t: the agent cannot tell why it is pinned and must keep it", r, n.pinnedLabel(r), s.Retained["app.tar"] != nil)

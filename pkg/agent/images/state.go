@@ -1,290 +1,14 @@
 package images
 
 import (
-	"bufio"
-	"encoding/json"
-	"fmt"
-	"io"
 	"maps"
 	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
-	"strings"
-	"time"
 
-	"github.com/opencontainers/go-digest"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/sirupsen/logrus"
-
-	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
-	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 )
-
-// DefaultStateFile is outside the images dir: k3s must not try to load it as an archive.
-const DefaultStateFile = "/var/lib/rancher/k3s/agent/k3s-pinning/state.json"
-
-const stateVersion = 1
-
-// State is what the agent knows between restarts: per archive, its identity and what it provided,
-// and the agent's own view for `status` and `doctor`. Losing it costs a re-index, never a pin:
-// pins live in containerd.
-type State struct {
-	Version  int                      `json:"version"`
-	Archives map[string]*ArchiveState `json:"archives"` // by file name
-	// Retained are archives removed from the images dir whose references stay pinned
-	// (--retain-removed-archive-images), by file name, as last loaded, until `unpin`.
-	Retained map[string]*ArchiveState `json:"retained,omitempty"`
-	Agent    RunStatus                `json:"agent"`
-}
-
-// ArchiveState is one archive as last loaded.
-type ArchiveState struct {
-	Size    int64     `json:"size"`
-	ModTime time.Time `json:"modTime"`
-	// Digest is the sha256 of the archive's content (its tar stream, or the list's text), computed
-	// only when a recorded archive's size or mtime change: empty after a first load (nothing to
-	// compare with then), an archive touched since then is read and checked in containerd once.
-	Digest digest.Digest         `json:"digest"`
-	Format airgap.Format         `json:"format"`
-	Images []airgap.IndexedImage `json:"images"`
-	// Refs are every reference loaded from the archive (tags, repo@digest, retags) and the digest
-	// each pointed at: what a restore must bring back, and what is unpinned when the archive goes.
-	Refs map[string]digest.Digest `json:"refs"`
-	// Incomplete: a reference failed in the last load (containerd going away mid-update), so the
-	// record may hold a digest the archive no longer has; the next sync loads the archive from the
-	// file again, not from this record.
-	Incomplete bool `json:"incomplete,omitempty"`
-}
-
-// RunStatus is what the running agent is doing (the last reconcile, restores, fetches, errors),
-// written with the state so that `status` and `doctor`, run as other processes, can show it.
-type RunStatus struct {
-	LastReconcile   time.Time         `json:"lastReconcile"`
-	RestoresDone    int               `json:"restoresDone"`
-	RestoresFailed  int               `json:"restoresFailed"`
-	RestoresPending []string          `json:"restoresPending"` // references waiting to be restored
-	WaitingForDisk  []string          `json:"waitingForDisk"`  // pending because the disk is full
-	ArchiveErrors   map[string]string `json:"archiveErrors"`   // file -> error
-	StateError      string            `json:"stateError,omitempty"`
-	// Fetches (--fetch-missing-images): done and failed attempts, the references waiting for
-	// one, and the last error of each that failed.
-	FetchesDone    int               `json:"fetchesDone,omitempty"`
-	FetchesFailed  int               `json:"fetchesFailed,omitempty"`
-	FetchesPending []string          `json:"fetchesPending,omitempty"`
-	FetchErrors    map[string]string `json:"fetchErrors,omitempty"` // reference -> error
-}
-
-func newState() *State {
-	return &State{Version: stateVersion, Archives: map[string]*ArchiveState{}, Retained: map[string]*ArchiveState{}}
-}
-
-// LoadState reads path. A missing file (the error is fs.ErrNotExist), an unreadable one (damaged,
-// truncated, or written by a newer version) is an empty state and an error: the state is a cache
-// of what containerd holds, which the next sync rebuilds.
-func LoadState(path string) (*State, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return newState(), fmt.Errorf("state %s: %w", path, err)
-	}
-	s := newState()
-	if err := json.Unmarshal(data, s); err != nil || s.Version != stateVersion {
-		if err == nil {
-			err = fmt.Errorf("version %d, want %d", s.Version, stateVersion)
-		}
-		return newState(), fmt.Errorf("state %s unreadable, re-indexing: %w", path, err)
-	}
-	if s.Archives == nil {
-		s.Archives = map[string]*ArchiveState{}
-	}
-	if s.Retained == nil {
-		s.Retained = map[string]*ArchiveState{}
-	}
-	return s, nil
-}
-
-// Save writes the state atomically (temp file, fsync, rename) with mode 0600, in a dir of mode
-// 0700: it names every archive and image of the node. On a full or read-only disk it fails and
-// leaves the previous file whole; the caller keeps the state in memory. Writers (the daemon, a
-// `sync` beside it) take turns on a lock file; holding it, a writer removes the temporary files
-// that a writer killed mid-write left, since no live writer can own one.
-func (s *State) Save(path string) error {
-	return withStateLock(path, func() error { return s.write(path) })
-}
-
-// withStateLock calls f holding the lock of the state file at path, the writers' turn: a writer
-// that reads the file, changes it and writes it back does all three in one turn, so that no other
-// writer's save falls between its read and its write and is lost.
-func withStateLock(path string, f func() error) error {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("state dir %s: %w", dir, err)
-	}
-	unlock, err := lockDir(dir)
-	if err != nil {
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	defer unlock()
-	return f()
-}
-
-// write is Save's write, its caller holding the lock (withStateLock).
-func (s *State) write(path string) error {
-	dir := filepath.Dir(path)
-	stale, _ := filepath.Glob(filepath.Join(dir, ".state-*.json"))
-	for _, f := range stale {
-		os.Remove(f)
-	}
-	tmp, err := os.CreateTemp(dir, ".state-*.json")
-	if err != nil {
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	defer os.Remove(tmp.Name())
-	if err := tmp.Chmod(0o600); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := s.encode(tmp, func() {
-		faultPoint("state-write") // a crash here leaves half a temp file, never half a state file
-	}); err != nil {
-		tmp.Close()
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	faultPoint("state-rename")
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return fmt.Errorf("state %s: %w", path, err)
-	}
-	if d, err := os.Open(dir); err == nil {
-		d.Sync()
-		d.Close()
-	}
-	return nil
-}
-
-// encode writes s to w as json.MarshalIndent(s, "", "  ") would, one archive at a time: the
-// whole document at once was the highest point of a first sync's memory (twice the file's size
-// in buffers). halfway is called once the archives are written.
-func (s *State) encode(w io.Writer, halfway func()) error {
-	bw := bufio.NewWriter(w)
-	fmt.Fprintf(bw, "{\n  \"version\": %d,\n  \"archives\": ", s.Version)
-	if err := encodeArchives(bw, s.Archives); err != nil {
-		return err
-	}
-	if err := bw.Flush(); err != nil {
-		return err
-	}
-	halfway()
-	if len(s.Retained) > 0 {
-		bw.WriteString(",\n  \"retained\": ")
-		if err := encodeArchives(bw, s.Retained); err != nil {
-			return err
-		}
-	}
-	agent, err := json.MarshalIndent(s.Agent, "  ", "  ")
-	if err != nil {
-		return err
-	}
-	bw.WriteString(",\n  \"agent\": ")
-	bw.Write(agent)
-	bw.WriteString("\n}")
-	return bw.Flush()
-}
-
-// encodeArchives writes m, an object at the state's second level, as MarshalIndent would.
-func encodeArchives(bw *bufio.Writer, m map[string]*ArchiveState) error {
-	switch {
-	case m == nil:
-		bw.WriteString("null")
-		return nil
-	case len(m) == 0:
-		bw.WriteString("{}")
-		return nil
-	}
-	bw.WriteString("{\n")
-	for i, name := range slices.Sorted(maps.Keys(m)) {
-		key, err := json.Marshal(name)
-		if err != nil {
-			return err
-		}
-		value, err := json.MarshalIndent(m[name], "    ", "  ")
-		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		bw.WriteString("    ")
-		bw.Write(key)
-		bw.WriteString(": ")
-		bw.Write(value)
-		if i < len(m)-1 {
-			bw.WriteByte(',')
-		}
-		bw.WriteByte('\n')
-	}
-	bw.WriteString("  }")
-	return nil
-}
-
-// setAsideSuffix, then the time, names a state file this version could not read, kept beside it.
-const setAsideSuffix = ".unreadable-"
-
-// setAside moves the state file at path aside, under a name no other file has, rather than let a
-// save replace it: what it held is the operator's to look at.
-func setAside(path string) (string, error) {
-	aside := path + setAsideSuffix + time.Now().UTC().Format("20060102T150405.000000000Z")
-	if err := os.Link(path, aside); err != nil {
-		return "", fmt.Errorf("state %s: keeping it aside: %w", path, err)
-	}
-	if err := os.Remove(path); err != nil {
-		return "", fmt.Errorf("state %s: keeping it aside: %w", path, err)
-	}
-	return aside, nil
-}
-
-// SetAsideStateFiles are the state files kept aside beside path because they could not be read,
-// oldest first.
-func SetAsideStateFiles(path string) []string {
-	entries, err := os.ReadDir(filepath.Dir(path))
-	if err != nil {
-		return nil
-	}
-	var out []string
-	prefix := filepath.Base(path) + setAsideSuffix
-	for _, e := range entries { // in name order: the time in the name sorts them
-		if strings.HasPrefix(e.Name(), prefix) {
-			out = append(out, filepath.Join(filepath.Dir(path), e.Name()))
-		}
-	}
-	return out
-}
-
-// lockDir takes the state writers' lock in dir; the kernel releases it if the holder dies.
-func lockDir(dir string) (unlock func(), err error) {
-	f, err := os.OpenFile(filepath.Join(dir, ".state.lock"), os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	if err := filelock.Lock(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { f.Close() }, nil
-}
-
-// unchanged reports whether ar is the archive recorded, by size and mtime (as k3s decides), and
-// its last load completed, so that a restart does not read, hash or import it.
-func (as *ArchiveState) unchanged(ar airgap.Archive) bool {
-	return as != nil && !as.Incomplete && as.Size == ar.Size && as.ModTime.Equal(ar.ModTime)
-}
-
-// index is the recorded index of the archive, as airgap.Read would return it.
-func (as *ArchiveState) index(ar airgap.Archive) *airgap.Index {
-	return &airgap.Index{Archive: ar, Format: as.Format, Images: as.Images}
-}
 
 // saveState writes the state if a file is configured. A failure (full or read-only disk) is
 // reported in the agent's view and otherwise ignored: protection goes on from memory.
@@ -293,7 +17,7 @@ func (a *Agent) saveState() {
 		return
 	}
 	a.state.Agent.StateError = ""
-	err := withStateLock(a.cfg.StateFile, a.writeStateLocked)
+	err := statefile.WithLock(a.cfg.StateFile, a.writeStateLocked)
 	if err != nil {
 		a.state.Agent.StateError = err.Error()
 		logrus.Errorf("%v; protecting from memory", err)
@@ -309,7 +33,7 @@ func (a *Agent) writeStateLocked() error {
 	// lock, so that one between this read and the write waits for the write, and is applied at
 	// the next.
 	a.reloadRetained()
-	if err := a.state.write(a.cfg.StateFile); err != nil {
+	if err := a.state.WriteLocked(a.cfg.StateFile); err != nil {
 		return err
 	}
 	a.stateSeen, _ = os.Stat(a.cfg.StateFile)
@@ -329,7 +53,7 @@ func (a *Agent) saveViewChange() {
 }
 
 // workOf is the part of view that says what waits and why, empty parts as nil.
-func workOf(view RunStatus) RunStatus {
+func workOf(view statefile.RunStatus) statefile.RunStatus {
 	orNil := func(s []string) []string {
 		if len(s) == 0 {
 			return nil
@@ -342,6 +66,6 @@ func workOf(view RunStatus) RunStatus {
 		}
 		return maps.Clone(m)
 	}
-	return RunStatus{RestoresPending: orNil(view.RestoresPending), WaitingForDisk: orNil(view.WaitingForDisk), FetchesPending: orNil(view.FetchesPending),
+	return statefile.RunStatus{RestoresPending: orNil(view.RestoresPending), WaitingForDisk: orNil(view.WaitingForDisk), FetchesPending: orNil(view.FetchesPending),
 		ArchiveErrors: mapOrNil(view.ArchiveErrors), FetchErrors: mapOrNil(view.FetchErrors)}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -35,31 +36,29 @@ func TestUnpinReadsAndWritesTheStateInOneTurn(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := filepath.Join(t.TempDir(), "state", "state.json")
-	s := newState()
-	s.Retained["kept.tar"] = &ArchiveState{Refs: map[string]digest.Digest{kept: target.Digest}}
+	s := statefile.New()
+	s.Retained["kept.tar"] = &statefile.Archive{Refs: map[string]digest.Digest{kept: target.Digest}}
 	if err := s.Save(path); err != nil {
 		t.Fatal(err)
 	}
 	imagesDir := t.TempDir()
 	cli := NewAgent(Services(client), Config{ImagesDir: imagesDir, StateFile: path})
 
-	unlock, err := lockDir(filepath.Dir(path)) // the running agent's turn
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan error, 1)
-	go func() { _, err := cli.UnpinManual(ctx, kept); done <- err }()
-	time.Sleep(500 * time.Millisecond) // unpin has started: reading the file, or waiting to
-	s.Retained["other.tar"] = &ArchiveState{Refs: map[string]digest.Digest{other: digest.FromString(other)}}
-	data, err := json.Marshal(s) // as the holder of the lock writes it
-	if err == nil {
-		err = os.WriteFile(path, data, 0o600)
-	}
+	// The running agent's turn: unpin starts while it holds the lock, and it saves meanwhile.
+	err = statefile.WithLock(path, func() error {
+		go func() { _, err := cli.UnpinManual(ctx, kept); done <- err }()
+		time.Sleep(500 * time.Millisecond) // unpin has started: reading the file, or waiting to
+		s.Retained["other.tar"] = &statefile.Archive{Refs: map[string]digest.Digest{other: digest.FromString(other)}}
+		data, err := json.Marshal(s) // as the holder of the lock writes it
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(path, data, 0o600)
+	})
 	if err != nil {
-		unlock()
 		t.Fatal(err)
 	}
-	unlock()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -68,7 +67,7 @@ func TestUnpinReadsAndWritesTheStateInOneTurn(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("unpin did not return 30 s after the lock was released")
 	}
-	final, err := LoadState(path)
+	final, err := statefile.Load(path)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -25,11 +26,11 @@ import (
 // openState reads the state file the agent starts from. When there is none that this version can
 // read (or no file is configured), the state is empty and lost: the first sync rebuilds it.
 func (a *Agent) openState() {
-	a.state, a.stateLost = newState(), true
+	a.state, a.stateLost = statefile.New(), true
 	if a.cfg.StateFile == "" {
 		return
 	}
-	s, err := LoadState(a.cfg.StateFile)
+	s, err := statefile.Load(a.cfg.StateFile)
 	switch {
 	case err == nil:
 		a.state, a.stateLost = s, false
@@ -62,11 +63,11 @@ func (a *Agent) keepAsideUnreadable() error {
 	if seen := a.stateSeen; seen != nil && os.SameFile(fi, seen) && fi.Size() == seen.Size() && fi.ModTime().Equal(seen.ModTime()) {
 		return nil
 	}
-	_, unreadable := LoadState(path)
+	_, unreadable := statefile.Load(path)
 	if unreadable == nil || errors.Is(unreadable, fs.ErrNotExist) {
 		return nil // another writer's (`sync`, `unpin`), or gone meanwhile
 	}
-	aside, err := setAside(path)
+	aside, err := statefile.SetAside(path)
 	if err != nil {
 		return err
 	}
@@ -81,8 +82,8 @@ func (a *Agent) keepAsideUnreadable() error {
 // targets. Once the state is lost, that is all that is left of what the agent retained after an
 // archive left the images dir; a pin set for an archive that left while no agent ran, or whose
 // release was lost, looks the same. The agent cannot tell them apart, so it keeps both.
-func retainedFromPins(listed imagelist.Records, present []string, known *State) map[string]*ArchiveState {
-	out := map[string]*ArchiveState{}
+func retainedFromPins(listed imagelist.Records, present []string, known *statefile.State) map[string]*statefile.Archive {
+	out := map[string]*statefile.Archive{}
 	inDir := make(map[string]bool, len(present))
 	for _, name := range present {
 		inDir[name] = true
@@ -97,7 +98,7 @@ func retainedFromPins(listed imagelist.Records, present []string, known *State) 
 		}
 		rec := out[src]
 		if rec == nil {
-			rec = &ArchiveState{Refs: map[string]digest.Digest{}}
+			rec = &statefile.Archive{Refs: map[string]digest.Digest{}}
 			out[src] = rec
 		}
 		rec.Refs[img.Name] = img.Target.Digest
@@ -105,8 +106,8 @@ func retainedFromPins(listed imagelist.Records, present []string, known *State) 
 	return out
 }
 
-// retainWithPins adds retained to what the state retains.
-func (s *State) retainWithPins(retained map[string]*ArchiveState) {
+// retainWithPins adds retained to what s retains.
+func retainWithPins(s *statefile.State, retained map[string]*statefile.Archive) {
 	for name, rec := range retained {
 		if old := s.Retained[name]; old != nil {
 			maps.Copy(old.Refs, rec.Refs)
@@ -124,7 +125,7 @@ func (a *Agent) rebuildRetained(listed imagelist.Records) {
 	if len(retained) == 0 {
 		return
 	}
-	a.state.retainWithPins(retained)
+	retainWithPins(a.state, retained)
 	a.replan()
 	n := 0
 	for _, rec := range retained {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/k3s-pinning/k3s-pinning/internal/filelock"
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -70,7 +71,7 @@ func retainedNode(t *testing.T) (n *node, state string, refs []string) {
 	if err := a.Sync(n.ctx).Err(); err != nil {
 		t.Fatal(err)
 	}
-	if s, err := agentimages.LoadState(state); err != nil || s.Retained["apps.tar"] == nil {
+	if s, err := statefile.Load(state); err != nil || s.Retained["apps.tar"] == nil {
 		t.Fatalf("apps.tar not retained in %s (%v)", state, err)
 	}
 	return n, state, refs
@@ -92,7 +93,7 @@ func assertRetained(t *testing.T, n *node, state string, refs []string) {
 			t.Errorf("%s: pinned for %q, want apps.tar", ref, src)
 		}
 	}
-	s, err := agentimages.LoadState(state)
+	s, err := statefile.Load(state)
 	if err != nil {
 		t.Fatalf("the state file was not written again: %v", err)
 	}
@@ -106,7 +107,7 @@ func assertRetained(t *testing.T, n *node, state string, refs []string) {
 // assertKeptAside checks that the damaged file is beside state with the bytes it had.
 func assertKeptAside(t *testing.T, state string, damaged []byte) {
 	t.Helper()
-	aside := agentimages.SetAsideStateFiles(state)
+	aside := statefile.SetAsideFiles(state)
 	if len(aside) != 1 {
 		t.Fatalf("kept aside: %v, want the one damaged file", aside)
 	}
@@ -156,7 +157,7 @@ func TestLostStateFileKeepsRetainedImages(t *testing.T) {
 				if _, ok := rec.event(agentimages.ReasonStateFileUnreadable, state); !ok {
 					t.Errorf("no %s Event naming %s: %+v", agentimages.ReasonStateFileUnreadable, state, rec.events)
 				}
-			} else if aside := agentimages.SetAsideStateFiles(state); len(aside) != 0 {
+			} else if aside := statefile.SetAsideFiles(state); len(aside) != 0 {
 				t.Errorf("kept aside %v, with no file to keep", aside)
 			}
 			snap, err := a.Inspect(n.ctx)
@@ -205,7 +206,7 @@ func TestStateFileLostWhileRunning(t *testing.T) {
 			started := time.Now()
 			a := n.runWith(retainingConfig(n, state, rec))
 			n.await(10*time.Second, "the running agent's first save", func() bool {
-				s, err := agentimages.LoadState(state)
+				s, err := statefile.Load(state)
 				return err == nil && s.Agent.LastReconcile.After(started)
 			})
 			// In a turn of the writers' lock: a save of the agent under way would otherwise rename its

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -369,8 +370,8 @@ func (a *Agent) recordArchive(rep ArchiveReport, idx *airgap.Index, contentDiges
 // import learnt.
 func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 	rec := a.state.Archives[ar.Name()]
-	if rec.unchanged(ar) {
-		return rec.index(ar), rec.Digest, nil
+	if rec.Unchanged(ar) {
+		return rec.Index(ar), rec.Digest, nil
 	}
 	if rec == nil && !ar.IsList() {
 		// Never recorded: no digest to compare with, and no need of one to load it (a touched
@@ -382,7 +383,7 @@ func (a *Agent) index(ar airgap.Archive) (*airgap.Index, digest.Digest, error) {
 	}
 	idx, d, err := airgap.ReadFile(ar)
 	if rec != nil && !rec.Incomplete && d != "" && rec.Digest == d {
-		return rec.index(ar), d, nil
+		return rec.Index(ar), d, nil
 	}
 	return idx, d, err
 }
@@ -397,7 +398,7 @@ type release struct {
 // does (an archive replaced under the same name).
 func (a *Agent) record(ar airgap.Archive, idx *airgap.Index, contentDigest digest.Digest, refs []RefResult) []release {
 	old := a.state.Archives[ar.Name()]
-	rec := &ArchiveState{Size: ar.Size, ModTime: ar.ModTime, Digest: contentDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
+	rec := &statefile.Archive{Size: ar.Size, ModTime: ar.ModTime, Digest: contentDigest, Format: idx.Format, Refs: map[string]digest.Digest{}}
 	for _, r := range refs {
 		switch {
 		case r.Err == nil && r.Digest != "":

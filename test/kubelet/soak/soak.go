@@ -37,6 +37,7 @@ import (
 	"k8s.io/klog/v2"
 
 	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/containerdtest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/imagetest"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -551,9 +552,9 @@ func (s *soak) check() string {
 	// content, as long as the agent says why (in its state file, read once per check): a restore
 	// waiting, or the archive failing for lack of space. The step that frees the disk then
 	// requires everything back.
-	var view agentimages.RunStatus
+	var view statefile.RunStatus
 	if s.full {
-		if st, err := agentimages.LoadState(s.state); err == nil {
+		if st, err := statefile.Load(s.state); err == nil {
 			view = st.Agent
 		}
 	}

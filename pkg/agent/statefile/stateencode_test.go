@@ -1,4 +1,4 @@
-package images
+package statefile
 
 import (
 	"bytes"
@@ -20,8 +20,8 @@ import (
 // json.MarshalIndent made, byte for byte, for states with and without retained archives, empty
 // and nil maps, and names JSON escapes. halfway comes after the archives, before the rest.
 func TestStateIsWrittenAsMarshalIndentWritesIt(t *testing.T) {
-	archive := func(n int) *ArchiveState {
-		as := &ArchiveState{Size: int64(1000 + n), ModTime: time.Date(2026, 12, 6, 15, 0, n, 7, time.UTC), Digest: digest.FromString(string(rune('a' + n))), Format: airgap.DockerArchive, Refs: map[string]digest.Digest{}}
+	archive := func(n int) *Archive {
+		as := &Archive{Size: int64(1000 + n), ModTime: time.Date(2026, 12, 6, 15, 0, n, 7, time.UTC), Digest: digest.FromString(string(rune('a' + n))), Format: airgap.DockerArchive, Refs: map[string]digest.Digest{}}
 		for i := range n {
 			ref := "registry.example/app" + string(rune('a'+i)) + ":1.0"
 			as.Images = append(as.Images, airgap.IndexedImage{Ref: ref, Digest: digest.FromString(ref), ImageID: digest.FromString(ref + "id")})
@@ -30,12 +30,12 @@ func TestStateIsWrittenAsMarshalIndentWritesIt(t *testing.T) {
 		return as
 	}
 	states := map[string]*State{
-		"new":       newState(),
+		"new":       New(),
 		"nil maps":  {Version: stateVersion},
-		"no images": {Version: stateVersion, Archives: map[string]*ArchiveState{"empty.tar": {Format: airgap.DockerArchive}}},
+		"no images": {Version: stateVersion, Archives: map[string]*Archive{"empty.tar": {Format: airgap.DockerArchive}}},
 		"archives and retained": {Version: stateVersion,
-			Archives: map[string]*ArchiveState{"b.tar": archive(3), "a.tar.zst": archive(2), `odd "<&>" name.tar`: archive(1)},
-			Retained: map[string]*ArchiveState{"gone.tar": archive(2)},
+			Archives: map[string]*Archive{"b.tar": archive(3), "a.tar.zst": archive(2), `odd "<&>" name.tar`: archive(1)},
+			Retained: map[string]*Archive{"gone.tar": archive(2)},
 			Agent:    RunStatus{LastReconcile: time.Date(2026, 12, 6, 15, 1, 0, 0, time.UTC), RestoresDone: 2, RestoresPending: []string{"registry.example/appa:1.0"}, ArchiveErrors: map[string]string{"bad.tar": "truncated"}}},
 	}
 	// encode writes State's fields by name: one added to State must be added there too.
