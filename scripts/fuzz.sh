@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime=${FUZZTIME:-60s}
-for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy ./pkg/agent/images:FuzzQuickDigestRef; do
+for target in ./pkg/airgap:FuzzRead ./pkg/pinning:FuzzPolicy ./pkg/agent/keep:FuzzQuickDigestRef; do
   pkg=${target%%:*} name=${target##*:}
   # The fuzzing engine itself sometimes ends a short run with a bare "context deadline exceeded"
   # and no failing input (now and then in 5 s runs): that run is tried again, once.

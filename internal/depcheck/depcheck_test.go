@@ -49,3 +49,13 @@ func TestStateFileIsAFile(t *testing.T) {
 			"github.com/k3s-pinning/k3s-pinning/pkg/agent/images", "github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"},
 		[]string{"github.com/sirupsen/logrus"})
 }
+
+// The keep-decision is pure: no containerd client, no Kubernetes, no metrics, no logger, no other
+// package of the agent but the state file's records and the image list it is asked about (whose
+// package, which decodes containerd's answer, links gRPC's codec: keep calls none of it).
+func TestKeepDecisionIsPure(t *testing.T) {
+	Forbid(t, "github.com/k3s-pinning/k3s-pinning/pkg/agent/keep",
+		[]string{"github.com/containerd/containerd/v2/client", "k8s.io", "github.com/prometheus",
+			"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"},
+		[]string{"github.com/sirupsen/logrus", "github.com/containerd/log"})
+}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/cluster"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -56,7 +57,7 @@ type Config struct {
 // On Windows it returns an error that matches errors.ErrUnsupported, before touching anything: the
 // package builds there (k3s builds Windows agents), but it has not been run on a Windows node, so
 // the patched k3s leaves agent/images to its own import.
-func Start(ctx context.Context, cfg Config) (keeper *images.Keeper, done <-chan error, err error) {
+func Start(ctx context.Context, cfg Config) (keeper *keep.Keeper, done <-chan error, err error) {
 	if runtime.GOOS == "windows" {
 		return nil, nil, fmt.Errorf("k3s-pinning: not supported on windows: %w", errors.ErrUnsupported)
 	}

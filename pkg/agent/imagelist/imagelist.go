@@ -357,3 +357,7 @@ func labelsKey(labels map[string]string) string {
 	}
 	return b.String()
 }
+
+// IsImageID says whether name is one of the sha256:<config digest> records the CRI creates beside
+// each image: its ID, by which the kubelet lists an image once every name of it is gone.
+func IsImageID(name string) bool { return strings.HasPrefix(name, "sha256:") }

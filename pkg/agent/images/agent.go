@@ -1,27 +1,26 @@
 // Package images is the agent side of k3s-pinning: it keeps what the k3s air-gap images dir
 // provides (read by package airgap) present and pinned in containerd. The data path, top to
 // bottom: archives are read into indexes (airgap), imported with the pin set at creation
-// (importer, through pinning.Pinner), recorded (State), and the keep-decision (Plan) drives
-// reconcile, restore, the adoption of k3s's pins and the kubelet's GC filter (Keeper).
+// (importer, through pinning.Pinner), recorded (statefile), and the keep-decision (keep.Plan)
+// drives reconcile, restore, the adoption of k3s's pins and the kubelet's GC filter (keep.Keeper).
 //
 // Its files, by concern:
-//   - the keep-decision, pure: plan.go (Plan, Keeper), owners.go (which archive loads a reference),
-//     digestref.go (repo@digest names), workloads.go (what the workloads may add);
 //   - the loader, archive to containerd: import.go (Load), tarball.go (an archive's blobs),
 //     layerindex.go (the content store as containerd's import reads it), storecache.go (the stores,
 //     listed once, as package imagelist reads the image store), listpull.go (the .txt lists,
 //     pulled through the CRI);
 //   - the agent: agent.go (Agent, Config), sync.go (Sync), run.go (Run: events, restore, the
 //     images dir), fetch.go and pullguard.go (fetching by digest, within the disk's room),
-//     imagefs.go, manual.go (pin and unpin), k3spins.go (stock k3s's pins adopted), leases.go;
+//     imagefs.go, manual.go (pin and unpin), k3spins.go (stock k3s's pins adopted), workloads.go
+//     (what the workloads may add), leases.go;
 //   - what it keeps and tells: state.go and statelost.go (saving the state, rebuilding a lost one;
 //     the file is package statefile's), report.go (Reporter, Events, the protection), inspect.go
 //     (Inspect, for status and doctor), metrics.go;
 //   - connect.go: the containerd connection, every call bounded;
 //   - policyvalues.go: the flags' values and names (the flags themselves are pkg/k3spinning's).
 //
-// It is larger than one package should be; the keep-decision and the loader are to become
-// packages of their own, as the image list (imagelist) and the state file (statefile) are.
+// The keep-decision is package keep, the image list imagelist, the state file statefile. It is
+// still larger than one package should be: the loader is to become a package of its own.
 package images
 
 import (
@@ -45,6 +44,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -126,10 +126,10 @@ type Agent struct {
 	cfg      Config
 	importer *importer
 	pinner   *pinning.Pinner
-	keeper   *Keeper
+	keeper   *keep.Keeper
 	metrics  *agentMetrics
 	// digestRefs remembers repo@digest names for the length of a sync or restore.
-	digestRefs *digestRefs
+	digestRefs *keep.DigestRefs
 
 	mu    sync.Mutex // guards what follows
 	state *statefile.State
@@ -137,7 +137,7 @@ type Agent struct {
 	// from them (an archive that could not be read is absent from read).
 	present []string
 	read    map[string]*airgap.Index
-	plan    *Plan
+	plan    *keep.Plan
 	listed  bool // plan was resolved against a containerd list (AdoptK3sPins needs that)
 	track   tracker
 	// workloadImages are the references the workloads in scope name, normalized, with the
@@ -179,14 +179,14 @@ type Agent struct {
 
 // NewAgent returns an Agent on cd. The containerd namespace comes from each call's context.
 func NewAgent(cd Containerd, cfg Config) *Agent {
-	refs := newDigestRefs()
+	refs := keep.NewDigestRefs()
 	a := &Agent{
 		cd:  cd,
 		cfg: cfg,
 		importer: &importer{cd: cd, pinner: pinning.NewPinner(cd.Images), extraRegistries: cfg.ExtraRegistries, digestRefs: refs,
 			writerStalled: defaultWriterStalled},
 		pinner:     pinning.NewPinner(cd.Images),
-		keeper:     &Keeper{},
+		keeper:     &keep.Keeper{},
 		metrics:    newMetrics(),
 		digestRefs: refs,
 		track:      tracker{missing: map[string]bool{}, lost: map[string]bool{}},
@@ -198,7 +198,7 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 	a.noteRetained()
 	a.present, a.read = slices.Collect(maps.Keys(a.state.Archives)), map[string]*airgap.Index{}
 	a.plan = a.newPlan(a.present, a.read)
-	a.keeper.publish(a.plan, nil)
+	a.keeper.Publish(a.plan, nil)
 	return a
 }
 
@@ -209,20 +209,20 @@ func NewAgent(cd Containerd, cfg Config) *Agent {
 //	images.RegisterGCFilter("k3s-pinning", func(img container.Image) bool {
 //		return keeper.Keep(img.ID, img.RepoTags, img.RepoDigests)
 //	})
-func (a *Agent) Keeper() *Keeper { return a.keeper }
+func (a *Agent) Keeper() *keep.Keeper { return a.keeper }
 
 // Metrics are the agent's Prometheus metrics, for the program to register where it serves them.
 func (a *Agent) Metrics() prometheus.Collector { return a.metrics }
 
 // newPlan is the keep-decision for the archives present, with the indexes read from them.
-func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *Plan {
-	return newPlan(a.planInput(present, read))
+func (a *Agent) newPlan(present []string, read map[string]*airgap.Index) *keep.Plan {
+	return keep.New(a.planInput(present, read))
 }
 
 // planInput is what the plan for the archives present, with the indexes read from them, is made of.
-func (a *Agent) planInput(present []string, read map[string]*airgap.Index) planInput {
-	return planInput{present: present, read: read, recorded: a.state.Archives, policy: a.cfg.Policy, extraRegistries: a.cfg.ExtraRegistries, workloads: a.workloads, retained: a.state.Retained,
-		digestRefs: a.digestRefs}
+func (a *Agent) planInput(present []string, read map[string]*airgap.Index) keep.Input {
+	return keep.Input{Present: present, Read: read, Recorded: a.state.Archives, Policy: a.cfg.Policy, ExtraRegistries: a.cfg.ExtraRegistries,
+		Workloads: a.workloads, Retained: a.state.Retained, DigestRefs: a.digestRefs}
 }
 
 // requestSync asks Run for a full sync; requests made while one is pending are one.

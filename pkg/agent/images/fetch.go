@@ -68,7 +68,7 @@ func (a *Agent) scheduleFetches(pending map[string]*pendingFetch) {
 		if !ok {
 			continue
 		}
-		pull := a.digestRefs.of(ref, d)
+		pull := a.digestRefs.Of(ref, d)
 		if pull == "" {
 			continue
 		}

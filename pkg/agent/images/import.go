@@ -20,6 +20,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/internal/fault"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -37,7 +38,7 @@ type importer struct {
 	// nil: entries are pulled in place, each within listPullTimeout.
 	pullLater func(ref string) error
 	// digestRefs is the agent's memo of repo@digest names.
-	digestRefs *digestRefs
+	digestRefs *keep.DigestRefs
 	// writerStalled is openWriter's patience with another writer of a ref (defaultWriterStalled).
 	writerStalled time.Duration
 }
@@ -94,7 +95,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeCach
 		targets, failed = im.checkImported(ctx, targets, writes)
 	}
 	for _, f := range failed {
-		for _, name := range im.digestRefs.references(f.img.Name, f.img.Target.Digest, im.extraRegistries) {
+		for _, name := range im.digestRefs.References(f.img.Name, f.img.Target.Digest, im.extraRegistries) {
 			refs = append(refs, RefResult{Ref: name, Err: &airgap.ArchiveError{Path: idx.Archive.Path, Err: fmt.Errorf("%s: %w", f.img.Name, f.err)}})
 		}
 	}
@@ -105,7 +106,7 @@ func (im *importer) Load(ctx context.Context, idx *airgap.Index, snap *storeCach
 		if source == "" {
 			source = idx.Archive.Name()
 		}
-		names := im.digestRefs.references(img.Name, img.Target.Digest, im.extraRegistries)
+		names := im.digestRefs.References(img.Name, img.Target.Digest, im.extraRegistries)
 		whole := imported || snap.lookup // a sync's listed target lacks its annotations (imagelist.Record)
 		identified := false              // the image's ID record is there: its names are made as the CRI marks them
 		for _, name := range names {
@@ -324,44 +325,4 @@ func complete(ctx context.Context, provider content.Provider, target ocispec.Des
 		return fmt.Errorf("content missing from the archive (a blob's content does not match its name?): %s", strings.Join(names, ", "))
 	}
 	return nil
-}
-
-// References are all the names one image of an archive gets, as k3s names what it imports: its
-// own, repo@digest (once the digest is known), and per --airgap-extra-registry the tag and the
-// digest under that registry; a registry that already hosts the image (the name starts with it)
-// adds nothing, so that a registry with a path is not repeated.
-func References(name string, dgst digest.Digest, extraRegistries []string) []string {
-	return (*digestRefs)(nil).references(name, dgst, extraRegistries)
-}
-
-// references is References with the repo@digest names from r.
-func (r *digestRefs) references(name string, dgst digest.Digest, extraRegistries []string) []string {
-	names := []string{name}
-	if dr := r.of(name, dgst); dr != "" {
-		names = append(names, dr)
-	}
-	if len(extraRegistries) == 0 {
-		return names // the usual case, without parsing name again
-	}
-	tagged, err := reference.ParseDockerRef(name)
-	if err != nil {
-		return names
-	}
-	t, ok := tagged.(reference.NamedTagged)
-	if !ok {
-		return names
-	}
-	seen := map[string]bool{}
-	for _, reg := range extraRegistries {
-		reg = strings.TrimSuffix(reg, "/")
-		if reg == "" || seen[reg] || strings.HasPrefix(t.Name(), reg+"/") {
-			continue
-		}
-		seen[reg] = true
-		names = append(names, fmt.Sprintf("%s/%s:%s", reg, reference.Path(t), t.Tag()))
-		if dgst != "" {
-			names = append(names, fmt.Sprintf("%s/%s@%s", reg, reference.Path(t), dgst))
-		}
-	}
-	return names
 }

@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"maps"
 	"sort"
-	"strings"
 
 	"github.com/containerd/containerd/v2/core/images"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -33,7 +33,7 @@ type Inspection struct {
 	Refs          []RefStatus
 	ArchiveErrors []error
 	Misspelled    []Misspelling
-	Conflicts     []Conflict // references two archives provide with different images
+	Conflicts     []keep.Conflict // references two archives provide with different images
 	// Agent is the view of the running agent, from the state file (zero when none ran).
 	Agent statefile.RunStatus
 	// StateUnreadable is why the state file cannot be read, while it is where it was; the agent
@@ -60,13 +60,13 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	in := a.planInput(sv.present, sv.read)
 	if a.stateLost { // as the next sync will rebuild it
 		retained := &statefile.State{Retained: map[string]*statefile.Archive{}}
-		for name, rec := range in.retained {
+		for name, rec := range in.Retained {
 			retained.Retained[name] = &statefile.Archive{Refs: maps.Clone(rec.Refs)}
 		}
 		retainWithPins(retained, retainedFromPins(all, sv.present, a.state))
-		in.retained = retained.Retained
+		in.Retained = retained.Retained
 	}
-	plan := newPlan(in)
+	plan := keep.New(in)
 	snap := &Inspection{ArchiveErrors: sv.scanErrs, Conflicts: plan.Conflicts(), Agent: a.state.Agent}
 	if a.stateUnreadable != nil {
 		snap.StateUnreadable = a.stateUnreadable.Error()
@@ -79,7 +79,7 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	}
 	present := map[string]bool{}
 	for img := range all.Images() {
-		if isImageIDRecord(img.Name) {
+		if imagelist.IsImageID(img.Name) {
 			continue
 		}
 		present[img.Name] = true
@@ -97,12 +97,12 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	}
 	for ref, src := range plan.Provided() {
 		if !present[ref] {
-			snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: plan.digests[ref].String(), Source: src, Wanted: true, Retained: plan.Retained(src)})
+			snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: plan.Digest(ref).String(), Source: src, Wanted: true, Retained: plan.Retained(src)})
 		}
 	}
 	if a.cfg.Fetch { // wanted wherever they are: missing here until fetched
-		for ref, d := range plan.fetchable {
-			if _, provided := plan.refs[ref]; !present[ref] && !provided {
+		for ref, d := range plan.Fetchables() {
+			if _, provided := plan.Provided()[ref]; !present[ref] && !provided {
 				src, _ := plan.Source(images.Image{Name: ref})
 				snap.Refs = append(snap.Refs, RefStatus{Ref: ref, Digest: d.String(), Source: src, Wanted: true})
 			}
@@ -111,9 +111,6 @@ func (a *Agent) Inspect(ctx context.Context) (*Inspection, error) {
 	sort.Slice(snap.Refs, func(i, j int) bool { return snap.Refs[i].Ref < snap.Refs[j].Ref })
 	return snap, nil
 }
-
-// isImageIDRecord matches the sha256:<config digest> records the CRI creates beside each image.
-func isImageIDRecord(name string) bool { return strings.HasPrefix(name, "sha256:") }
 
 // flatten splits joined errors, so that each bad line of a list is its own finding.
 func flatten(err error) []error {

@@ -9,6 +9,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
 
@@ -24,7 +25,7 @@ func (n *node) criImages() []*runtimeapi.Image {
 
 // keptTags asks keeper about every image the CRI lists and returns the tags of those it keeps,
 // and of those it does not.
-func keptTags(n *node, keeper *images.Keeper) (kept, dropped []string) {
+func keptTags(n *node, keeper *keep.Keeper) (kept, dropped []string) {
 	for _, img := range n.criImages() {
 		if keeper.Keep(img.Id, img.RepoTags, img.RepoDigests) {
 			kept = append(kept, img.RepoTags...)

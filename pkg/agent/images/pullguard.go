@@ -50,7 +50,7 @@ func (a *Agent) guardOf(p *pendingFetch) pullGuard {
 	}
 	var owners []string
 	for ref := range p.refs {
-		if !a.workloads[ref] || a.plan.wantedBesidesWorkloads(ref) {
+		if !a.workloads[ref] || a.plan.WantedBesidesWorkloads(ref) {
 			return g
 		}
 		owners = append(owners, a.workloadImages[ref]...)

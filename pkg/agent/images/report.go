@@ -155,7 +155,7 @@ func (a *Agent) trackListed(listed imagelist.Records) {
 		}
 	}
 	if a.cfg.Fetch {
-		for ref := range a.plan.fetchable { // wanted wherever they are: fetched when missing
+		for ref := range a.plan.Fetchables() { // wanted wherever they are: fetched when missing
 			if !names(ref) {
 				missing[ref] = true
 			}
@@ -178,7 +178,7 @@ func (a *Agent) trackListed(listed imagelist.Records) {
 	// per image (PinWanted and publish asked it already).
 	a.track.wanted = len(missing)
 	for _, img := range listed {
-		if !isImageIDRecord(img.Name) && a.keeper.wanted(img.Name) {
+		if !imagelist.IsImageID(img.Name) && a.keeper.Wanted(img.Name) {
 			a.track.wanted++
 		}
 	}

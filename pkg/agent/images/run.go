@@ -21,6 +21,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
 )
@@ -180,7 +181,7 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 			if from == "" {
 				from = a.fetchFrom(e.Name)
 			}
-			if a.keeper.wanted(e.Name) || from != "" {
+			if a.keeper.Wanted(e.Name) || from != "" {
 				a.trackDeleted(e.Name, from)
 				a.scheduleFetches(fetches)
 			}
@@ -227,7 +228,7 @@ func (a *Agent) follow(ctx context.Context, opts RunOptions, events <-chan any, 
 // repin pins again a wanted reference whose pin is gone (stripped by hand, or by k3s clearing its
 // labels at start), and pins a new image the policy wants.
 func (a *Agent) repin(ctx context.Context, name string, labels map[string]string) {
-	if pinning.IsPinned(labels) || isImageIDRecord(name) {
+	if pinning.IsPinned(labels) || imagelist.IsImageID(name) {
 		return
 	}
 	source, wanted := a.plan.Source(images.Image{Name: name, Labels: labels})

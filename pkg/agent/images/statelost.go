@@ -90,7 +90,7 @@ func retainedFromPins(listed imagelist.Records, present []string, known *statefi
 	}
 	for img := range listed.Images() {
 		src, ours := pinning.OwnPin(img.Labels)
-		if !ours || isImageIDRecord(img.Name) || !pinning.IsArchiveSource(src) || inDir[src] || known.Archives[src] != nil {
+		if !ours || imagelist.IsImageID(img.Name) || !pinning.IsArchiveSource(src) || inDir[src] || known.Archives[src] != nil {
 			continue
 		}
 		if rec := known.Retained[src]; rec != nil && rec.Refs[img.Name] != "" {

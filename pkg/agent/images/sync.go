@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/imagelist"
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"github.com/k3s-pinning/k3s-pinning/pkg/agent/statefile"
 	"github.com/k3s-pinning/k3s-pinning/pkg/airgap"
 	"github.com/k3s-pinning/k3s-pinning/pkg/pinning"
@@ -26,7 +27,7 @@ type ArchiveReport struct {
 	Format   airgap.Format
 	Imported bool // content was imported (tarball) or pulled (list)
 	Refs     []RefResult
-	Shadowed []Conflict // references this archive also provides, loaded from an earlier one
+	Shadowed []keep.Conflict // references this archive also provides, loaded from an earlier one
 	Err      error
 }
 
@@ -198,7 +199,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 				logrus.Infof("pinned %s again (%s wants it)", ref, pinned[ref])
 			}
 		}
-		a.keeper.publish(a.plan, listed)
+		a.keeper.Publish(a.plan, listed)
 		a.listed = true
 		a.trackListed(listed)
 	}
@@ -220,7 +221,7 @@ func (a *Agent) sync(ctx context.Context) *SyncReport {
 	}
 	a.saveState()
 	a.reportProtection()
-	a.digestRefs.forget()
+	a.digestRefs.Forget()
 	a.reconciled.Store(time.Now().UnixNano())
 	return report
 }
@@ -244,7 +245,7 @@ func (a *Agent) releaseUnwanted(ctx context.Context, listed imagelist.Records) e
 	var errs []error
 	for img := range listed.Images() {
 		src, ours := pinning.OwnPin(img.Labels)
-		if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || isImageIDRecord(img.Name) {
+		if !ours || src == pinning.SourcePolicy || src == pinning.SourceManual || imagelist.IsImageID(img.Name) {
 			continue
 		}
 		if _, wanted := a.plan.Source(img); wanted {
@@ -266,7 +267,7 @@ func (a *Agent) releaseUnwanted(ctx context.Context, listed imagelist.Records) e
 
 // setPlan makes the plan for the last survey, and logs each conflict once, when it first appears.
 func (a *Agent) setPlan() {
-	known := map[Conflict]bool{}
+	known := map[keep.Conflict]bool{}
 	if a.plan != nil {
 		for _, c := range a.plan.Conflicts() {
 			known[c] = true
@@ -306,7 +307,7 @@ func (a *Agent) syncArchive(ctx context.Context, ar airgap.Archive) ArchiveRepor
 	snap.endImports(ctx, a.importer)
 	a.replan()
 	a.release(ctx, releases)
-	a.digestRefs.forget()
+	a.digestRefs.Forget()
 	return rep
 }
 
@@ -328,8 +329,8 @@ func (a *Agent) importArchive(ctx context.Context, snap *storeCache, ar airgap.A
 		logrus.Errorf("%v", indexErr)
 		return rep
 	}
-	rep.Format, rep.Shadowed = idx.Format, a.plan.owners.shadowed(ar.Name())
-	refs, imported, loadErr := a.importer.Load(ctx, a.plan.owners.loadable(idx), snap, a.plan.owners.of)
+	rep.Format, rep.Shadowed = idx.Format, a.plan.Shadowed(ar.Name())
+	refs, imported, loadErr := a.importer.Load(ctx, a.plan.Loadable(idx), snap, a.plan.Loader)
 	idx.Content = nil // what its import needed; the agent keeps the index for its plan
 	rep.Refs, rep.Imported, rep.Err = refs, imported, errors.Join(indexErr, loadErr)
 	for _, r := range refs {

@@ -6,7 +6,6 @@ import (
 	"maps"
 	"slices"
 
-	"github.com/containerd/containerd/v2/core/images"
 	"github.com/docker/go-units"
 	"github.com/opencontainers/go-digest"
 	"github.com/sirupsen/logrus"
@@ -53,7 +52,7 @@ func (a *Agent) admitWorkloads(ctx context.Context, listed imagelist.Records) {
 	counted := 0
 	for _, ref := range slices.Sorted(maps.Keys(a.workloadImages)) {
 		switch {
-		case a.plan.wantedBesidesWorkloads(ref):
+		case a.plan.WantedBesidesWorkloads(ref):
 			admitted[ref] = true
 		case pinnedFor[ref] || a.workloads[ref]:
 			admitted[ref] = true
@@ -165,11 +164,4 @@ func (b *workloadBytes) beyond(ref string) string {
 	}
 	return fmt.Sprintf("--%s %s reached (%s kept, this image %s)", FlagMaxWorkloadImageBytes,
 		units.BytesSize(float64(b.a.cfg.MaxWorkloadImageBytes)), units.BytesSize(float64(b.kept)), units.BytesSize(float64(size)))
-}
-
-// wantedBesidesWorkloads reports whether an archive or the policy wants ref, whatever the
-// workloads say.
-func (p *Plan) wantedBesidesWorkloads(ref string) bool {
-	_, provided := p.refs[ref]
-	return provided || p.policy.Wants(images.Image{Name: ref})
 }

@@ -7,6 +7,7 @@ package kubeletgc
 import (
 	"context"
 
+	"github.com/k3s-pinning/k3s-pinning/pkg/agent/keep"
 	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc"
 	v1 "k8s.io/api/core/v1"
@@ -17,8 +18,6 @@ import (
 	statsapi "k8s.io/kubelet/pkg/apis/stats/v1alpha1"
 	kubecontainer "k8s.io/kubernetes/pkg/kubelet/container"
 	"k8s.io/kubernetes/pkg/kubelet/images"
-
-	agentimages "github.com/k3s-pinning/k3s-pinning/pkg/agent/images"
 )
 
 // CRIRuntime is the part of the kubelet's container.Runtime that the image GC calls (ListImages,
@@ -141,7 +140,7 @@ const FilterName = "k3s-pinning"
 
 // RegisterFilter registers keeper as the kubelet's image GC filter (patches/kubernetes), as a
 // patched k3s does before its kubelet starts, and returns the function that removes it.
-func RegisterFilter(keeper *agentimages.Keeper) (unregister func()) {
+func RegisterFilter(keeper *keep.Keeper) (unregister func()) {
 	images.RegisterGCFilter(FilterName, func(img kubecontainer.Image) bool {
 		return keeper.Keep(img.ID, img.RepoTags, img.RepoDigests)
 	})

@@ -1,4 +1,11 @@
-package images
+// Package keep is the keep-decision, the one place it is made: which references must stay on
+// the node and what wants each (Plan), and the kubelet image GC filter's answer made from it
+// (Keeper). It is a pure function of plain values: what the images dir holds (airgap indexes),
+// what the state file recorded (statefile), the policy and the workloads; an image containerd
+// lists enters only as the question. It talks to nothing (internal/depcheck keeps it so).
+// DigestRefs names references as k3s names an imported image (repo@digest), for the plan and the
+// importer alike.
+package keep
 
 import (
 	"maps"
@@ -45,45 +52,45 @@ type Plan struct {
 	// the policy names by digest, a retained archive's, a workload's named by digest.
 	fetchable map[string]digest.Digest
 	// digestRefs answers the repo@digest names of the plan and of the keep-set made from it.
-	digestRefs *digestRefs
+	digestRefs *DigestRefs
 }
 
-// planInput is what a plan is made of.
-type planInput struct {
-	// present are the archives in the images dir, by file name; when the dir cannot be read,
+// Input is what a plan is made of.
+type Input struct {
+	// Present are the archives in the images dir, by file name; when the dir cannot be read,
 	// every recorded archive (nothing left it).
-	present []string
-	// read are the indexes read from present archives this time; an archive missing here (it
+	Present []string
+	// Read are the indexes read from present archives this time; an archive missing here (it
 	// cannot be read now) claims what it recorded: a damaged file never drops protection.
-	read            map[string]*airgap.Index
-	recorded        map[string]*statefile.Archive
-	policy          *pinning.Policy
-	extraRegistries []string
-	workloads       map[string]bool
-	// retained are the records of archives removed from the images dir that are kept.
-	retained map[string]*statefile.Archive
-	// digestRefs is the agent's memo of repo@digest names; nil: the plan makes its own.
-	digestRefs *digestRefs
+	Read            map[string]*airgap.Index
+	Recorded        map[string]*statefile.Archive
+	Policy          *pinning.Policy
+	ExtraRegistries []string
+	Workloads       map[string]bool
+	// Retained are the records of archives removed from the images dir that are kept.
+	Retained map[string]*statefile.Archive
+	// DigestRefs is the agent's memo of repo@digest names; nil: the plan makes its own.
+	DigestRefs *DigestRefs
 }
 
 // newPlan decides, archive by archive in file-name order, what each provides: the names its
 // index gives each image (References) and what its last load recorded (digest references of
 // docker archives are known only after import). The first archive to provide a reference is its
 // source, the same rule by which ownership decides which archive loads it.
-func newPlan(in planInput) *Plan {
-	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.policy, workloads: in.workloads,
-		retained: map[string]bool{}, fetchable: map[string]digest.Digest{}, digestRefs: in.digestRefs}
+func New(in Input) *Plan {
+	p := &Plan{refs: map[string]string{}, digests: map[string]digest.Digest{}, archives: map[string]bool{}, recorded: map[string]bool{}, policy: in.Policy, workloads: in.Workloads,
+		retained: map[string]bool{}, fetchable: map[string]digest.Digest{}, digestRefs: in.DigestRefs}
 	if p.digestRefs == nil {
-		p.digestRefs = newDigestRefs()
+		p.digestRefs = NewDigestRefs()
 	}
-	names := slices.Sorted(slices.Values(in.present))
+	names := slices.Sorted(slices.Values(in.Present))
 	claims := map[string]*airgap.Index{}
 	var ordered []*airgap.Index
 	for _, name := range names {
 		p.archives[name] = true
-		p.recorded[name] = in.recorded[name] != nil
-		idx := in.read[name]
-		if rec := in.recorded[name]; idx == nil && rec != nil {
+		p.recorded[name] = in.Recorded[name] != nil
+		idx := in.Read[name]
+		if rec := in.Recorded[name]; idx == nil && rec != nil {
 			idx = rec.Index(airgap.Archive{Path: name}) // only its name is asked for
 		}
 		if idx != nil {
@@ -96,12 +103,12 @@ func newPlan(in planInput) *Plan {
 		if idx := claims[name]; idx != nil {
 			// A claim another archive overrules is not this archive's to provide.
 			for _, img := range p.owners.loadable(idx).Images {
-				for _, r := range p.digestRefs.references(img.Ref, img.Digest, in.extraRegistries) {
+				for _, r := range p.digestRefs.References(img.Ref, img.Digest, in.ExtraRegistries) {
 					p.provide(r, name, img.Digest)
 				}
 			}
 		}
-		if rec := in.recorded[name]; rec != nil {
+		if rec := in.Recorded[name]; rec != nil {
 			for _, r := range slices.Sorted(maps.Keys(rec.Refs)) {
 				p.provide(r, name, rec.Refs[r])
 			}
@@ -109,12 +116,12 @@ func newPlan(in planInput) *Plan {
 	}
 	// A retained archive provides after every archive present: one back in the dir, or another
 	// providing the same reference, comes first.
-	for _, name := range slices.Sorted(maps.Keys(in.retained)) {
+	for _, name := range slices.Sorted(maps.Keys(in.Retained)) {
 		if p.archives[name] {
 			continue
 		}
 		p.retained[name] = true
-		rec := in.retained[name]
+		rec := in.Retained[name]
 		for _, r := range slices.Sorted(maps.Keys(rec.Refs)) {
 			p.provide(r, name, rec.Refs[r])
 			if p.refs[r] == name && rec.Refs[r] != "" {
@@ -122,12 +129,12 @@ func newPlan(in planInput) *Plan {
 			}
 		}
 	}
-	for _, r := range in.policy.Digests() {
+	for _, r := range in.Policy.Digests() {
 		if d := refDigest(r); d != "" && !p.archives[p.refs[r]] {
 			p.fetchable[r] = d
 		}
 	}
-	for r := range in.workloads {
+	for r := range in.Workloads {
 		if d := refDigest(r); d != "" && !p.archives[p.refs[r]] {
 			p.fetchable[r] = d
 		}
@@ -272,15 +279,15 @@ func (k *Keeper) Keep(id string, repoTags, repoDigests []string) bool {
 	return false
 }
 
-// wanted reports whether name is a reference the last published set keeps.
-func (k *Keeper) wanted(name string) bool {
+// Wanted reports whether name is a reference the last published set keeps.
+func (k *Keeper) Wanted(name string) bool {
 	set := k.set.Load()
 	return set != nil && set.names[name]
 }
 
-// publish makes plan, resolved against the images containerd holds (listed; nil before the
+// Publish makes plan, resolved against the images containerd holds (listed; nil before the
 // first list), the answer of Keep.
-func (k *Keeper) publish(plan *Plan, listed imagelist.Records) {
+func (k *Keeper) Publish(plan *Plan, listed imagelist.Records) {
 	set := &keepSet{plan: plan, names: map[string]bool{}, ids: map[string]bool{}}
 	// A name already in the set is not stored again: storing an equal string key replaces the
 	// key, and the set would then hold the list's copy of each name (decoded from containerd's
@@ -292,25 +299,48 @@ func (k *Keeper) publish(plan *Plan, listed imagelist.Records) {
 	}
 	for ref := range plan.refs {
 		keep(ref)
-		keep(plan.digestRefs.of(ref, plan.digests[ref]))
+		keep(plan.digestRefs.Of(ref, plan.digests[ref]))
 	}
 	targets := map[digest.Digest]bool{}
 	for img := range listed.Images() {
-		if isImageIDRecord(img.Name) {
+		if imagelist.IsImageID(img.Name) {
 			continue
 		}
 		if _, wanted := plan.Source(img); wanted {
 			keep(img.Name)
-			keep(plan.digestRefs.of(img.Name, img.Target.Digest))
+			keep(plan.digestRefs.Of(img.Name, img.Target.Digest))
 			targets[img.Target.Digest] = true
 		}
 	}
 	// The CRI keeps a sha256:<image ID> record beside each image, on the same target: it is the
 	// image's ID, and the kubelet lists an image by it alone once every tag is gone.
 	for _, img := range listed {
-		if isImageIDRecord(img.Name) && targets[img.Target.Digest] {
+		if imagelist.IsImageID(img.Name) && targets[img.Target.Digest] {
 			set.ids[img.Name] = true
 		}
 	}
 	k.set.Store(set)
 }
+
+// WantedBesidesWorkloads reports whether an archive or the policy wants ref, whatever the
+// workloads say.
+func (p *Plan) WantedBesidesWorkloads(ref string) bool {
+	_, provided := p.refs[ref]
+	return provided || p.policy.Wants(images.Image{Name: ref})
+}
+
+// Fetchables are the wanted references that can be fetched by a digest known for them (Fetchable),
+// each with that digest.
+func (p *Plan) Fetchables() map[string]digest.Digest { return p.fetchable }
+
+// Loadable is idx without the claims another archive overrules: what its archive loads.
+func (p *Plan) Loadable(idx *airgap.Index) *airgap.Index { return p.owners.loadable(idx) }
+
+// Loader is the archive that loads ref ("": none).
+func (p *Plan) Loader(ref string) string { return p.owners.of(ref) }
+
+// Shadowed are the claims of archive that another archive overrules.
+func (p *Plan) Shadowed(archive string) []Conflict { return p.owners.shadowed(archive) }
+
+// Digest is what ref points at, where the plan knows it ("" otherwise).
+func (p *Plan) Digest(ref string) digest.Digest { return p.digests[ref] }

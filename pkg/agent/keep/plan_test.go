@@ -1,4 +1,4 @@
-package images
+package keep
 
 import (
 	"fmt"
@@ -43,45 +43,45 @@ func TestPlan(t *testing.T) {
 	}
 	for _, c := range []struct {
 		name      string
-		in        planInput
+		in        Input
 		patterns  []string
 		selectors []string
 		asks      []ask
 	}{
 		{name: "an archive provides its tags, and the digest reference its index knows",
-			in: planInput{present: []string{"oci.tar"}, read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}},
+			in: Input{Present: []string{"oci.tar"}, Read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}},
 			asks: []ask{
 				{image("acc.example/oci:1", nil), "oci.tar"},
 				{image("acc.example/oci@"+oci.Digest.String(), nil), "oci.tar"},
 				{image("acc.example/other:1", nil), ""},
 			}},
 		{name: "a docker archive's digest reference, known from its recorded load",
-			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
-				recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+			in: Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
+				Recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
 			asks: []ask{{image("docker.io/library/app@"+manifestA.String(), nil), "a.tar"}}},
 		{name: "two archives provide a reference: the first by name is its source, whatever was loaded before",
-			in: planInput{present: []string{"b.tar", "a.tar"},
-				read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.DockerArchive, appB)},
+			in: Input{Present: []string{"b.tar", "a.tar"},
+				Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.DockerArchive, appB)},
 				// b.tar loaded app:1 before a.tar arrived
-				recorded: map[string]*statefile.Archive{"b.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appB.Ref: testDigest("manifest-b")}, appB)}},
+				Recorded: map[string]*statefile.Archive{"b.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appB.Ref: testDigest("manifest-b")}, appB)}},
 			asks: []ask{{image(appA.Ref, nil), "a.tar"}}},
 		{name: "an archive that cannot be read now keeps what it recorded",
-			in: planInput{present: []string{"damaged.tar"},
-				recorded: map[string]*statefile.Archive{"damaged.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+			in: Input{Present: []string{"damaged.tar"},
+				Recorded: map[string]*statefile.Archive{"damaged.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
 			asks: []ask{{image(appA.Ref, nil), "damaged.tar"}}},
 		{name: "an archive that left wants nothing, even with its record and our pin",
-			in:   planInput{recorded: map[string]*statefile.Archive{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
+			in:   Input{Recorded: map[string]*statefile.Archive{"gone.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA}, appA)}},
 			asks: []ask{{image(appA.Ref, pinning.PinLabels("gone.tar")), ""}}},
 		{name: "our pin: a reference of an archive still present whose load is not recorded yet, or a manual pin, stays wanted",
-			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
+			in: Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
 			asks: []ask{
 				{image("acc.example/retag:1", pinning.PinLabels("a.tar")), "a.tar"},
 				{image("acc.example/hand:1", pinning.PinLabels(pinning.SourceManual)), pinning.SourceManual},
 				{image("acc.example/old:1", pinning.PinLabels(pinning.SourcePolicy)), ""},
 			}},
 		{name: "an archive whose load is recorded wants what it provides, not what it pinned before (issue 23)",
-			in: planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
-				recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
+			in: Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)},
+				Recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{appA.Ref: manifestA, "docker.io/library/app@" + manifestA.String(): manifestA}, appA)}},
 			asks: []ask{
 				{image("docker.io/library/app@"+manifestA.String(), pinning.PinLabels("a.tar")), "a.tar"},
 				{image("docker.io/library/app@"+testDigest("previous-manifest").String(), pinning.PinLabels("a.tar")), ""},
@@ -97,11 +97,11 @@ func TestPlan(t *testing.T) {
 				{image("acc.example/x:1", map[string]string{"team": "web"}), ""},
 			}},
 		{name: "an archive wins over the policy",
-			in:       planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
+			in:       Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA)}},
 			patterns: []string{"app"},
 			asks:     []ask{{image(appA.Ref, nil), "a.tar"}}},
 		{name: "--airgap-extra-registry names are provided too",
-			in: planInput{present: []string{"oci.tar"}, read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}, extraRegistries: []string{"mirror.local:5000"}},
+			in: Input{Present: []string{"oci.tar"}, Read: map[string]*airgap.Index{"oci.tar": index("oci.tar", airgap.OCIArchive, oci)}, ExtraRegistries: []string{"mirror.local:5000"}},
 			asks: []ask{
 				{image("mirror.local:5000/oci:1", nil), "oci.tar"},
 				{image("mirror.local:5000/oci@"+oci.Digest.String(), nil), "oci.tar"},
@@ -112,8 +112,8 @@ func TestPlan(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			c.in.policy = policy
-			plan := newPlan(c.in)
+			c.in.Policy = policy
+			plan := New(c.in)
 			for _, a := range c.asks {
 				source, wanted := plan.Source(a.img)
 				if source != a.source || wanted != (a.source != "") {
@@ -130,8 +130,8 @@ func TestPlan(t *testing.T) {
 func TestPlanOwnershipAgreesWithSource(t *testing.T) {
 	appA := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config-a")}
 	appB := airgap.IndexedImage{Ref: "docker.io/library/app:1", Digest: testDigest("manifest-b"), ImageID: testDigest("config-b")}
-	plan := newPlan(planInput{present: []string{"a.tar", "b.tar"},
-		read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.OCIArchive, appB)}})
+	plan := New(Input{Present: []string{"a.tar", "b.tar"},
+		Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, appA), "b.tar": index("b.tar", airgap.OCIArchive, appB)}})
 	if src, _ := plan.Source(image(appA.Ref, nil)); src != "a.tar" {
 		t.Errorf("source %q, want a.tar", src)
 	}
@@ -150,7 +150,7 @@ func TestPlanOwnershipAgreesWithSource(t *testing.T) {
 func TestPlanHeir(t *testing.T) {
 	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
-	plan := newPlan(planInput{present: []string{"b.tar"}, read: map[string]*airgap.Index{"b.tar": index("b.tar", airgap.DockerArchive, app)}, policy: policy})
+	plan := New(Input{Present: []string{"b.tar"}, Read: map[string]*airgap.Index{"b.tar": index("b.tar", airgap.DockerArchive, app)}, Policy: policy})
 	for _, c := range []struct {
 		img        images.Image
 		from, heir string
@@ -177,14 +177,14 @@ func TestKeeperIsThePlan(t *testing.T) {
 	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
 	manifest := testDigest("manifest")
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
-	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
-		recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+	plan := New(Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
+		Recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, Policy: policy})
 	appImg := image(app.Ref, pinning.PinLabels("a.tar"))
 	stale := image("acc.example/stale:1", pinning.PinLabels("a.tar"))
 	idRecord := images.Image{Name: "sha256:" + testDigest("config").Encoded(), Target: appImg.Target}
 	staleID := images.Image{Name: "sha256:" + testDigest("stale-config").Encoded(), Target: stale.Target}
 	k := &Keeper{}
-	k.publish(plan, imagelist.Of([]images.Image{appImg, stale, idRecord, staleID, image("acc.example/other:1", nil)}))
+	k.Publish(plan, imagelist.Of([]images.Image{appImg, stale, idRecord, staleID, image("acc.example/other:1", nil)}))
 	for _, c := range []struct {
 		id          string
 		tags, dgsts []string
@@ -211,8 +211,8 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 	app := airgap.IndexedImage{Ref: "docker.io/library/app:1", ImageID: testDigest("config")}
 	manifest := testDigest("manifest")
 	policy, _ := pinning.NewPolicy([]string{"registry.local/*"}, nil)
-	plan := newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
-		recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, policy: policy})
+	plan := New(Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, app)},
+		Recorded: map[string]*statefile.Archive{"a.tar": recorded(airgap.DockerArchive, map[string]digest.Digest{app.Ref: manifest}, app)}, Policy: policy})
 	target := ocispec.Descriptor{Digest: manifest}
 	digestName := "docker.io/library/app@" + manifest.String()
 	listed := []images.Image{ // as decoded from containerd's answer: strings of their own
@@ -221,7 +221,7 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 		{Name: "registry.local/tool:9", Target: ocispec.Descriptor{Digest: testDigest("tool")}},
 	}
 	k := &Keeper{}
-	k.publish(plan, imagelist.Of(listed))
+	k.Publish(plan, imagelist.Of(listed))
 	held := map[string]*byte{}
 	for name := range k.set.Load().names {
 		held[name] = unsafe.StringData(name)
@@ -235,7 +235,7 @@ func TestKeepSetHoldsThePlansNames(t *testing.T) {
 		want *byte
 	}{
 		{app.Ref, unsafe.StringData(planRef)},
-		{digestName, unsafe.StringData(plan.digestRefs.of(planRef, plan.digests[planRef]))},
+		{digestName, unsafe.StringData(plan.digestRefs.Of(planRef, plan.digests[planRef]))},
 		{"registry.local/tool:9", unsafe.StringData(listed[2].Name)},
 	} {
 		got, ok := held[c.name]
@@ -276,7 +276,7 @@ func BenchmarkKeep(b *testing.B) {
 		listed = append(listed, img)
 	}
 	k := &Keeper{}
-	k.publish(newPlan(planInput{present: []string{"a.tar"}, read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, wanted...)}, policy: policy}), nil)
+	k.Publish(New(Input{Present: []string{"a.tar"}, Read: map[string]*airgap.Index{"a.tar": index("a.tar", airgap.DockerArchive, wanted...)}, Policy: policy}), nil)
 	b.ResetTimer()
 	for b.Loop() {
 		kept := 0
@@ -304,17 +304,17 @@ func TestPlanFetchable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	in := planInput{
-		present:  []string{"present.tar"},
-		read:     map[string]*airgap.Index{"present.tar": index("present.tar", airgap.DockerArchive, airgap.IndexedImage{Ref: "registry.local/team/shared:1", Digest: other})},
-		recorded: map[string]*statefile.Archive{},
-		retained: map[string]*statefile.Archive{
+	in := Input{
+		Present:  []string{"present.tar"},
+		Read:     map[string]*airgap.Index{"present.tar": index("present.tar", airgap.DockerArchive, airgap.IndexedImage{Ref: "registry.local/team/shared:1", Digest: other})},
+		Recorded: map[string]*statefile.Archive{},
+		Retained: map[string]*statefile.Archive{
 			"kept.tar": recorded(airgap.OCIArchive, map[string]digest.Digest{"registry.local/team/kept:1": kept, "registry.local/team/kept@" + kept.String(): kept, "registry.local/team/shared:1": kept}),
 		},
-		policy:    policy,
-		workloads: map[string]bool{workload: true, "registry.local/team/web:2": true},
+		Policy:    policy,
+		Workloads: map[string]bool{workload: true, "registry.local/team/web:2": true},
 	}
-	p := newPlan(in)
+	p := New(in)
 	for ref, want := range map[string]digest.Digest{
 		"registry.local/team/kept:1":                kept,
 		"registry.local/team/kept@" + kept.String(): kept,
@@ -339,9 +339,9 @@ func TestPlanFetchable(t *testing.T) {
 	if a := p.Archive("registry.local/team/kept:1"); a != "" {
 		t.Errorf("Archive(kept:1) = %q: a retained archive is gone, nothing restores from it", a)
 	}
-	in.present = append(in.present, "kept.tar")
-	in.read["kept.tar"] = index("kept.tar", airgap.OCIArchive, airgap.IndexedImage{Ref: "registry.local/team/kept:1", Digest: kept})
-	if p := newPlan(in); p.Retained("kept.tar") || p.Archive("registry.local/team/kept:1") != "kept.tar" {
+	in.Present = append(in.Present, "kept.tar")
+	in.Read["kept.tar"] = index("kept.tar", airgap.OCIArchive, airgap.IndexedImage{Ref: "registry.local/team/kept:1", Digest: kept})
+	if p := New(in); p.Retained("kept.tar") || p.Archive("registry.local/team/kept:1") != "kept.tar" {
 		t.Errorf("kept.tar back in the dir: retained %t, Archive %q", p.Retained("kept.tar"), p.Archive("registry.local/team/kept:1"))
 	}
 }

@@ -1,6 +1,7 @@
-package images
+package keep
 
 import (
+	"fmt"
 	"strings"
 	"sync"
 
@@ -8,13 +9,13 @@ import (
 	"github.com/opencontainers/go-digest"
 )
 
-// digestRefs remembers the repo@digest form of references (digestRef), as k3s names an imported
+// DigestRefs remembers the repo@digest form of references (digestRef), as k3s names an imported
 // image and the CRI lists it among an image's RepoDigests. Every sync and every keep-set asks it
 // of every wanted reference: the agent keeps one memo, which the plan and the keep-set share (one
 // string per name), and forgets it when a sync or restore ends (a daemon between syncs does not
-// hold it). A nil *digestRefs remembers nothing. Safe for concurrent use: archives load in
+// hold it). A nil *DigestRefs remembers nothing. Safe for concurrent use: archives load in
 // parallel.
-type digestRefs struct {
+type DigestRefs struct {
 	mu sync.Mutex
 	m  map[digestRefKey]string
 }
@@ -27,10 +28,10 @@ type digestRefKey struct {
 // maxDigestRefs bounds the memo at ten times the references of a large node.
 const maxDigestRefs = 100_000
 
-func newDigestRefs() *digestRefs { return &digestRefs{m: map[digestRefKey]string{}} }
+func NewDigestRefs() *DigestRefs { return &DigestRefs{m: map[digestRefKey]string{}} }
 
-// of is the repo@digest form of ref; "" when ref is not a reference or d is unknown.
-func (r *digestRefs) of(ref string, d digest.Digest) string {
+// Of is the repo@digest form of ref; "" when ref is not a reference or d is unknown.
+func (r *DigestRefs) Of(ref string, d digest.Digest) string {
 	if r == nil {
 		return parseDigestRef(ref, d)
 	}
@@ -51,8 +52,8 @@ func (r *digestRefs) of(ref string, d digest.Digest) string {
 	return dr
 }
 
-// forget drops what the memo holds.
-func (r *digestRefs) forget() {
+// Forget drops what the memo holds.
+func (r *DigestRefs) Forget() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.m = map[digestRefKey]string{}
@@ -200,3 +201,43 @@ func isPath(path string) bool {
 
 func isDigit(c byte) bool      { return c >= '0' && c <= '9' }
 func isLowerAlnum(c byte) bool { return isDigit(c) || (c >= 'a' && c <= 'z') }
+
+// References are all the names one image of an archive gets, as k3s names what it imports: its
+// own, repo@digest (once the digest is known), and per --airgap-extra-registry the tag and the
+// digest under that registry; a registry that already hosts the image (the name starts with it)
+// adds nothing, so that a registry with a path is not repeated.
+func References(name string, dgst digest.Digest, extraRegistries []string) []string {
+	return (*DigestRefs)(nil).References(name, dgst, extraRegistries)
+}
+
+// References is the package function References with the repo@digest names from r.
+func (r *DigestRefs) References(name string, dgst digest.Digest, extraRegistries []string) []string {
+	names := []string{name}
+	if dr := r.Of(name, dgst); dr != "" {
+		names = append(names, dr)
+	}
+	if len(extraRegistries) == 0 {
+		return names // the usual case, without parsing name again
+	}
+	tagged, err := reference.ParseDockerRef(name)
+	if err != nil {
+		return names
+	}
+	t, ok := tagged.(reference.NamedTagged)
+	if !ok {
+		return names
+	}
+	seen := map[string]bool{}
+	for _, reg := range extraRegistries {
+		reg = strings.TrimSuffix(reg, "/")
+		if reg == "" || seen[reg] || strings.HasPrefix(t.Name(), reg+"/") {
+			continue
+		}
+		seen[reg] = true
+		names = append(names, fmt.Sprintf("%s/%s:%s", reg, reference.Path(t), t.Tag()))
+		if dgst != "" {
+			names = append(names, fmt.Sprintf("%s/%s@%s", reg, reference.Path(t), dgst))
+		}
+	}
+	return names
+}

@@ -1,4 +1,4 @@
-package images
+package keep
 
 import (
 	"strings"
@@ -49,8 +49,8 @@ func TestQuickDigestRef(t *testing.T) {
 		if want := grammarDigestRef(ref, d); !ok || dr != want || want == "" {
 			t.Errorf("quickDigestRef(%q) = %q, %v; want %q (the grammar's), true", ref, dr, ok, want)
 		}
-		if dr := newDigestRefs().of(ref, d); !strings.HasSuffix(dr, "@"+d.String()) {
-			t.Errorf("newDigestRefs().of(%q) = %q", ref, dr)
+		if dr := NewDigestRefs().Of(ref, d); !strings.HasSuffix(dr, "@"+d.String()) {
+			t.Errorf("NewDigestRefs().Of(%q) = %q", ref, dr)
 		}
 	}
 	for _, ref := range grammarNames {
@@ -63,8 +63,8 @@ func TestQuickDigestRef(t *testing.T) {
 			t.Errorf("quickDigestRef with digest %q = %q, true", d, dr)
 		}
 	}
-	if got, want := newDigestRefs().of("nginx:1", d), "docker.io/library/nginx@"+d.String(); got != want {
-		t.Errorf("newDigestRefs().of(nginx:1) = %q, want %q", got, want)
+	if got, want := NewDigestRefs().Of("nginx:1", d), "docker.io/library/nginx@"+d.String(); got != want {
+		t.Errorf("NewDigestRefs().Of(nginx:1) = %q, want %q", got, want)
 	}
 }
 
