@@ -237,6 +237,29 @@ type Memory struct {
 	File float64 // RssFile: of the resident, the pages of files mapped (the binary's own)
 }
 
+// ProcessStat is the fields of /proc/<pid>/stat after the command's name (Linux): the state first
+// (R, S, T for stopped, Z for exited and not waited for), user and system CPU ticks at 11 and 12.
+func ProcessStat(pid int) ([]string, error) {
+	return statFields(fmt.Sprintf("/proc/%d/stat", pid))
+}
+
+// statFields reads a stat file of /proc (a process's, or one of its threads').
+func statFields(path string) ([]string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	end := bytes.LastIndexByte(data, ')')
+	if end < 0 || end+2 > len(data) {
+		return nil, fmt.Errorf("%s: no command field in %q", path, data)
+	}
+	fields := strings.Fields(string(data[end+2:]))
+	if len(fields) < 13 {
+		return nil, fmt.Errorf("%s: %d fields after the command, want 13 or more", path, len(fields))
+	}
+	return fields, nil
+}
+
 // ProcessMemory is the memory of process pid, from /proc/<pid>/status (Linux).
 func ProcessMemory(pid int) (Memory, error) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))

@@ -3,7 +3,6 @@
 package containerdtest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -231,12 +230,8 @@ func stopped(pid int) bool {
 		return false
 	}
 	for _, task := range tasks {
-		data, err := os.ReadFile(task)
-		if err != nil {
-			return false
-		}
-		end := bytes.LastIndexByte(data, ')')
-		if end < 0 || end+2 >= len(data) || data[end+2] != 'T' {
+		fields, err := statFields(task)
+		if err != nil || fields[0] != "T" {
 			return false
 		}
 	}

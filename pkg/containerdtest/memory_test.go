@@ -1,10 +1,8 @@
 package containerdtest_test
 
 import (
-	"fmt"
 	"os"
 	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -33,15 +31,15 @@ func TestProcessMemory(t *testing.T) {
 	defer cmd.Wait()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", cmd.Process.Pid))
+		stat, err := containerdtest.ProcessStat(cmd.Process.Pid)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if strings.Contains(string(stat), ") Z ") {
+		if stat[0] == "Z" {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("true (pid %d) not exited within 10 s: %s", cmd.Process.Pid, stat)
+			t.Fatalf("true (pid %d) not exited within 10 s: state %s", cmd.Process.Pid, stat[0])
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

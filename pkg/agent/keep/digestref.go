@@ -9,12 +9,11 @@ import (
 	"github.com/opencontainers/go-digest"
 )
 
-// DigestRefs remembers the repo@digest form of references (digestRef), as k3s names an imported
-// image and the CRI lists it among an image's RepoDigests. Every sync and every keep-set asks it
-// of every wanted reference: the agent keeps one memo, which the plan and the keep-set share (one
-// string per name), and forgets it when a sync or restore ends (a daemon between syncs does not
-// hold it). A nil *DigestRefs remembers nothing. Safe for concurrent use: archives load in
-// parallel.
+// DigestRefs remembers the repo@digest form of references (Of), as k3s names an imported image
+// and the CRI lists it among an image's RepoDigests. Every sync and every keep-set asks it of
+// every wanted reference: the agent keeps one memo, which the plan, the keep-set and the importer
+// share (one string per name), and forgets it when a sync or restore ends (a daemon between syncs
+// does not hold it). Safe for concurrent use: archives load in parallel.
 type DigestRefs struct {
 	mu sync.Mutex
 	m  map[digestRefKey]string
@@ -28,13 +27,11 @@ type digestRefKey struct {
 // maxDigestRefs bounds the memo at ten times the references of a large node.
 const maxDigestRefs = 100_000
 
+// NewDigestRefs is an empty memo.
 func NewDigestRefs() *DigestRefs { return &DigestRefs{m: map[digestRefKey]string{}} }
 
 // Of is the repo@digest form of ref; "" when ref is not a reference or d is unknown.
 func (r *DigestRefs) Of(ref string, d digest.Digest) string {
-	if r == nil {
-		return parseDigestRef(ref, d)
-	}
 	key := digestRefKey{ref, d}
 	r.mu.Lock()
 	dr, ok := r.m[key]
@@ -206,11 +203,6 @@ func isLowerAlnum(c byte) bool { return isDigit(c) || (c >= 'a' && c <= 'z') }
 // own, repo@digest (once the digest is known), and per --airgap-extra-registry the tag and the
 // digest under that registry; a registry that already hosts the image (the name starts with it)
 // adds nothing, so that a registry with a path is not repeated.
-func References(name string, dgst digest.Digest, extraRegistries []string) []string {
-	return (*DigestRefs)(nil).References(name, dgst, extraRegistries)
-}
-
-// References is the package function References with the repo@digest names from r.
 func (r *DigestRefs) References(name string, dgst digest.Digest, extraRegistries []string) []string {
 	names := []string{name}
 	if dr := r.Of(name, dgst); dr != "" {

@@ -330,7 +330,7 @@ func (p *Plan) WantedBesidesWorkloads(ref string) bool {
 }
 
 // Fetchables are the wanted references that can be fetched by a digest known for them (Fetchable),
-// each with that digest.
+// each with that digest: the plan's own map, to be read and never written.
 func (p *Plan) Fetchables() map[string]digest.Digest { return p.fetchable }
 
 // Loadable is idx without the claims another archive overrules: what its archive loads.

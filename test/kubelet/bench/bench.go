@@ -754,17 +754,9 @@ func median(ds []time.Duration) time.Duration {
 // cpuSeconds is the user+system CPU time of pid, from /proc (clock ticks of 1/100 s). A process
 // that has exited (a zombie) or a line it cannot read is an error, never 0 s.
 func cpuSeconds(pid int) (float64, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	fields, err := containerdtest.ProcessStat(pid)
 	if err != nil {
 		return 0, err
-	}
-	end := bytes.LastIndexByte(data, ')')
-	if end < 0 || end+2 > len(data) {
-		return 0, fmt.Errorf("/proc/%d/stat: no command field in %q", pid, data)
-	}
-	fields := strings.Fields(string(data[end+2:]))
-	if len(fields) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command, want 13 or more", pid, len(fields))
 	}
 	if fields[0] == "Z" || fields[0] == "X" {
 		return 0, fmt.Errorf("process %d has exited (state %s)", pid, fields[0])
